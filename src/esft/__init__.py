@@ -1,0 +1,15 @@
+"""esft: fine-tune Hugging Face causal LMs with Evolution Strategies (arXiv 2509.24372)."""
+
+from esft.config import ESConfig
+
+__all__ = ["ESConfig", "ESTrainer"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # The trainer imports torch and transformers; load it only when asked for.
+    if name == "ESTrainer":
+        from esft.trainer import ESTrainer
+
+        return ESTrainer
+    raise AttributeError(name)

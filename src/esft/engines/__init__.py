@@ -1,0 +1,1 @@
+"""Engines hold the weights, perturb/restore/update them in place and generate text."""

@@ -1,0 +1,225 @@
+"""The in-process engine: a transformers causal LM whose trainable tensors ES perturbs in place.
+
+Weights: a float32 master copy of every trainable tensor is the source of truth. A member's weights
+are `master + σ·ε` rounded once to the model dtype; restoring copies the master back, which is
+bit-exact in any dtype (subtracting σ·ε again would not be, in bfloat16/float16). Updates accumulate
+in float32 on the master, so small steps are not rounded away in low-precision models.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from esft.noise import draw_noise
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Generation:
+    """Greedy completions of a prompt batch, in prompt order."""
+
+    texts: list[str]
+    num_tokens: list[int]
+    """Generated tokens per completion, EOS included, padding excluded."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """"auto" picks CUDA when available, else CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+class TransformersEngine:
+    """Holds one transformers model; member evaluation = perturb → generate → restore."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        trainable: str | None = None,
+        noise: str = "iid",
+        max_tokens: int = 64,
+        mini_batch_size: int | None = None,
+    ):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.noise = noise
+        self.max_tokens = max_tokens
+        self.mini_batch_size = mini_batch_size
+        self.device = next(model.parameters()).device
+        self._generator = torch.Generator(device=self.device)
+        pattern = re.compile(trainable) if trainable else None
+        # Tensor index = position among ALL parameters, so restricting --trainable never changes
+        # the noise any tensor receives.
+        self.trainable = [
+            (index, name, param)
+            for index, (name, param) in enumerate(model.named_parameters())
+            if pattern is None or pattern.search(name)
+        ]
+        if not self.trainable:
+            raise ValueError(f"--trainable {trainable!r} matches no parameter of the model")
+        self.master = {name: param.detach().to(torch.float32).clone() for _, name, param in self.trainable}
+        self._scratch = {name: torch.empty_like(m) for name, m in self.master.items()}
+        self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
+        self._prepare_tokenizer_and_generation()
+
+    @classmethod
+    def from_pretrained(
+        cls, model_name_or_path: str, *, dtype: str = "float32", device: str = "auto", **kwargs
+    ) -> TransformersEngine:
+        """Load a causal LM and its tokenizer from a hub id or a local directory."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()  # our own progress bar is the one that matters
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=DTYPES[dtype])
+        return cls(model.to(resolve_device(device)), tokenizer, **kwargs)
+
+    def _prepare_tokenizer_and_generation(self) -> None:
+        from transformers import GenerationConfig
+
+        tokenizer = self.tokenizer
+        tokenizer.padding_side = "left"  # decoder-only batches must end where generation starts
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        model_config = self.model.generation_config
+        eos = model_config.eos_token_id if model_config is not None else None
+        eos_ids = {tokenizer.eos_token_id} | set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        eos_ids.discard(None)
+        self.eos_token_ids = sorted(eos_ids)
+        # generate() fills every unset field from model.generation_config (a checkpoint's sampling,
+        # temperature, repetition penalty...). Replace it so nothing leaks into greedy rollouts; the
+        # original is put back whenever the model is saved.
+        self._saved_generation_config = model_config
+        self.model.generation_config = GenerationConfig(
+            eos_token_id=self.eos_token_ids, pad_token_id=tokenizer.pad_token_id
+        )
+        self.greedy = GenerationConfig(
+            do_sample=False,
+            num_beams=1,
+            max_new_tokens=self.max_tokens,
+            eos_token_id=self.eos_token_ids,
+            pad_token_id=tokenizer.pad_token_id,
+            repetition_penalty=1.0,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+        )
+
+    # ---------------------------------------------------------------- weights
+    @torch.no_grad()
+    def perturb(self, member_seed: int, sigma: float) -> None:
+        """θ ← master + σ·ε(member_seed), tensor by tensor, in the model dtype."""
+        for index, name, param in self.trainable:
+            noise = draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, self._scratch[name])
+            noise.mul_(sigma).add_(self.master[name])
+            param.copy_(noise)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """θ ← master (rounded to the model dtype): bit-exact, whatever was done to θ."""
+        for _, name, param in self.trainable:
+            param.copy_(self.master[name])
+
+    @torch.no_grad()
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master.
+
+        Per tensor the noise of every member is regenerated and accumulated before one add, as in
+        the reference; nothing of the population's noise is ever held at once.
+        """
+        for index, name, param in self.trainable:
+            total = torch.zeros_like(self.master[name])
+            noise = self._scratch[name]
+            for member_seed, coefficient in zip(member_seeds, coefficients, strict=True):
+                draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, noise)
+                total.add_(noise, alpha=coefficient)
+            self.master[name].add_(total)
+            param.copy_(self.master[name])
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The float32 master of the trainable tensors (for checkpoints)."""
+        return {name: tensor.detach().cpu().clone() for name, tensor in self.master.items()}
+
+    @torch.no_grad()
+    def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the float32 master (and θ) from a checkpoint's master state."""
+        missing = set(self.master) - set(state)
+        if missing:
+            raise ValueError(f"checkpoint master state lacks tensors: {sorted(missing)[:5]}")
+        for name in self.master:
+            self.master[name].copy_(state[name])
+        self.restore()
+
+    def checksum(self) -> str:
+        """A digest of the master weights; equal digests mean bit-identical replicas."""
+        digest = hashlib.blake2b(digest_size=16)
+        for _, name, _ in self.trainable:
+            digest.update(name.encode())
+            digest.update(self.master[name].cpu().numpy().tobytes())
+        return digest.hexdigest()
+
+    def num_trainable(self) -> int:
+        """Count of trainable scalars."""
+        return sum(param.numel() for _, _, param in self.trainable)
+
+    # ------------------------------------------------------------- generation
+    def _encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Tokenize a prompt batch once (every member of an iteration reuses it)."""
+        key = tuple(prompts)
+        if key not in self._encoded:
+            if len(self._encoded) > 64:
+                self._encoded.clear()
+            # Pad the WHOLE batch to one length, so mini-batches see exactly the same rows.
+            batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
+            self._encoded[key] = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+        return self._encoded[key]
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None) -> Generation:
+        """Greedy completions (decoded without the prompt) for every prompt, `mini_batch_size`
+        (default: the engine's) prompts per generate call."""
+        encoded = self._encode(prompts)
+        size = mini_batch_size or self.mini_batch_size or len(prompts)
+        texts: list[str] = []
+        counts: list[int] = []
+        prompt_length = encoded["input_ids"].shape[1]
+        for start in range(0, len(prompts), size):
+            input_ids = encoded["input_ids"][start : start + size]
+            attention_mask = encoded["attention_mask"][start : start + size]
+            output = self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=self.greedy
+            )
+            new_tokens = output[:, prompt_length:]
+            for row in new_tokens.tolist():
+                length = len(row)
+                for position, token in enumerate(row):
+                    if token in self.eos_token_ids:
+                        length = position + 1
+                        break
+                counts.append(length)
+                texts.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
+        return Generation(texts=texts, num_tokens=counts)
+
+    # ----------------------------------------------------------------- saving
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the current master weights (model dtype) + tokenizer, loadable by from_pretrained."""
+        self.restore()
+        greedy_only = self.model.generation_config
+        if self._saved_generation_config is not None:
+            self.model.generation_config = self._saved_generation_config
+        try:
+            self.model.save_pretrained(path)
+        finally:
+            self.model.generation_config = greedy_only
+        self.tokenizer.save_pretrained(path)

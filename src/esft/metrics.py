@@ -1,0 +1,70 @@
+"""Metrics sinks: metrics.jsonl always, plus TensorBoard (default) or Weights & Biases."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from esft.checkpoint import write_text_atomic
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def check_backend(backend: str) -> None:
+    """Fail early (before any model loads) when the chosen backend's package is missing."""
+    package = {"tensorboard": "tensorboard", "wandb": "wandb"}.get(backend)
+    if package is None:
+        return
+    try:
+        __import__(package)
+    except ImportError:
+        raise ImportError(f"--logging {backend} needs the '{package}' package: pip install {package}, or use --logging none") from None
+
+
+class MetricsLogger:
+    """One JSON object per line in `<run>/metrics.jsonl`; the same scalars to the chosen backend."""
+
+    def __init__(self, run_dir: Path, backend: str = "tensorboard", config: dict[str, Any] | None = None, run_name: str = ""):
+        self.path = Path(run_dir) / METRICS_FILE
+        self.backend = backend
+        self._writer = None
+        self._wandb = None
+        if backend == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(run_dir))
+        elif backend == "wandb":
+            import wandb
+
+            self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "esft"), name=run_name, config=config, dir=str(run_dir))
+
+    def truncate_after(self, iteration: int) -> None:
+        """Drop rows logged after `iteration` (a resumed run repeats them)."""
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
+        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+
+    def log(self, row: dict[str, Any]) -> None:
+        """Append one row (must hold `iteration`); a row is written with one write call and flushed."""
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
+        with open(self.path, "a") as handle:
+            handle.write(json.dumps(clean) + "\n")
+            handle.flush()
+        step = row["iteration"]
+        scalars = {k: v for k, v in clean.items() if k != "iteration" and isinstance(v, (int, float)) and v is not None}
+        if self._writer is not None:
+            for key, value in scalars.items():
+                self._writer.add_scalar(key, value, step)
+            self._writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        if self._wandb is not None:
+            self._wandb.finish()

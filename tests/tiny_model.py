@@ -1,0 +1,38 @@
+"""A tiny Llama-architecture model and a byte-level tokenizer, built in-process (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIAL = ["<pad>", "<eos>"]
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level tokenizer without merges: every byte is a token (258 tokens)."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {token: i for i, token in enumerate(SPECIAL + sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<pad>", padding_side="left")
+
+
+def build_tiny_model(path: Path, seed: int = 0, dtype: torch.dtype = torch.float32, **config) -> Path:
+    """Save a randomly initialised 2-layer Llama (~60k parameters) and its tokenizer to `path`."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    settings = dict(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        tie_word_embeddings=True,
+    )
+    settings.update(config)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).to(dtype)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)
