@@ -23,9 +23,14 @@ def _flag_type(annotation: str):
     return {"int": int, "float": float, "str": str}[base]
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit code 2, like every other user error
+        self.exit(USER_ERROR, f"esft: error: {message} (see '{self.prog} --help')\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="esft", description="Fine-tune causal LMs with Evolution Strategies (reward is maximized).")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="esft", description="Fine-tune causal LMs with Evolution Strategies (reward is maximized).")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, summary in (
         ("train", "Run ES fine-tuning (evaluates before and after)."),
         ("eval", "Evaluate a model on a task's eval splits (same as train --iterations 0)."),
@@ -50,17 +55,42 @@ def _read_yaml(path: str) -> dict[str, Any]:
     except OSError as error:
         raise UserError(f"--config {path}: cannot read it ({error.strerror})") from None
     except yaml.YAMLError as error:
-        raise UserError(f"--config {path}: not valid YAML ({error})") from None
+        raise UserError(f"--config {path}: not valid YAML ({_yaml_problem(error)})") from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path}: must be a mapping of setting: value")
-    known = {f.name for f in dataclasses.fields(ESConfig)}
+    fields = {f.name: f for f in dataclasses.fields(ESConfig)}
     settings = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in known:
+        if name not in fields:
             raise UserError(f"--config {path}: unknown setting {key!r}; see 'esft train --help' for the settings")
-        settings[name] = value
+        settings[name] = _coerce_number(value, fields[name].type)
     return settings
+
+
+def _coerce_number(value: Any, annotation: str) -> Any:
+    """YAML 1.1 reads `1e-3` (no dot) as a string; numeric strings become the field's number type,
+    as they would on the command line. Anything else is left for ESConfig to reject."""
+    base = annotation.replace("| None", "").strip()
+    if isinstance(value, str) and base in ("int", "float"):
+        try:
+            return _flag_type(annotation)(value)
+        except ValueError:
+            return value
+    return value
+
+
+def _yaml_problem(error: Exception) -> str:
+    """A PyYAML error on one line: 'line L, column C: problem'."""
+    mark = getattr(error, "problem_mark", None)
+    problem = getattr(error, "problem", None) or str(error)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return _one_line(where + problem)
+
+
+def _one_line(text: str) -> str:
+    """Errors are printed as a single line."""
+    return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 def resolve_config(command: str, given: dict[str, Any]) -> ESConfig:
@@ -69,6 +99,8 @@ def resolve_config(command: str, given: dict[str, Any]) -> ESConfig:
     yaml_path = given.pop("config", None)
     from_yaml = _read_yaml(yaml_path) if yaml_path else {}
     resume = given.get("resume", from_yaml.get("resume"))
+    if resume and command == "eval":
+        raise UserError(f"--resume: to evaluate a checkpoint, pass it as the model: esft eval --model {resume}")
     if resume:
         from esft.checkpoint import read_state, resolve_resume
 
@@ -87,22 +119,39 @@ def resolve_config(command: str, given: dict[str, Any]) -> ESConfig:
         raise UserError(str(error) + (f" (settings from {yaml_path})" if yaml_path and error.name in from_yaml else "")) from None
 
 
+def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
+    for key, value in final.items():
+        if key.startswith("eval/") and key.endswith("/accuracy"):
+            before = trainer.initial_metrics.get(key)
+            change = ""
+            if config.iterations and before is not None:
+                change = f" (before training {100 * before:.1f}%, {100 * (value - before):+.1f} points)"
+            print(f"{key.split('/')[1]} accuracy: {100 * value:.1f}%{change}")
+    print(f"run directory: {trainer.run_dir}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k != "command"}
+    from esft.tasks.base import TaskError
+
     try:
         config = resolve_config(args.command, given)
-        from esft.tasks.base import TaskError
-        from esft.trainer import ESTrainer
+        from esft.trainer import ESTrainer, new_run_dir
 
         try:
+            if config.resume is None:
+                new_run_dir(config)  # an existing run directory fails here, before the model loads
             trainer = ESTrainer(args=config)
         except (TaskError, ConfigError, ImportError, FileNotFoundError) as error:
             raise UserError(str(error)) from None
-        trainer.train()
-        print(f"run directory: {trainer.run_dir}")
+        try:
+            final = trainer.train() or trainer.initial_metrics
+        except (TaskError, ConfigError) as error:
+            raise UserError(str(error)) from None
+        _print_summary(trainer, config, final)
     except UserError as error:
-        print(f"esft: error: {error}", file=sys.stderr)
+        print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
         print("esft: interrupted; resume with --resume <run directory>", file=sys.stderr)

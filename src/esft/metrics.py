@@ -27,7 +27,9 @@ def check_backend(backend: str) -> None:
 class MetricsLogger:
     """One JSON object per line in `<run>/metrics.jsonl`; the same scalars to the chosen backend."""
 
-    def __init__(self, run_dir: Path, backend: str = "tensorboard", config: dict[str, Any] | None = None, run_name: str = ""):
+    def __init__(
+        self, run_dir: Path, backend: str = "tensorboard", config: dict[str, Any] | None = None, run_name: str = "", resume_at: int = 0
+    ):
         self.path = Path(run_dir) / METRICS_FILE
         self.backend = backend
         self._writer = None
@@ -35,17 +37,19 @@ class MetricsLogger:
         if backend == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(log_dir=str(run_dir))
+            # purge_step: a resumed run drops the events a crashed run logged after its checkpoint.
+            self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=resume_at + 1 if resume_at else None)
         elif backend == "wandb":
             import wandb
 
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "esft"), name=run_name, config=config, dir=str(run_dir))
 
     def truncate_after(self, iteration: int) -> None:
-        """Drop rows logged after `iteration` (a resumed run repeats them)."""
+        """Drop rows logged after `iteration` (a resumed run repeats them), and any torn line a
+        crash left behind (a row cut off mid-write is not JSON)."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line)["iteration"] <= iteration]
+        kept = [line for line in self.path.read_text().splitlines() if (row_iteration := _iteration_of(line)) is not None and row_iteration <= iteration]
         write_text_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, row: dict[str, Any]) -> None:
@@ -68,3 +72,13 @@ class MetricsLogger:
             self._writer.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def _iteration_of(line: str) -> int | None:
+    """The `iteration` of a metrics.jsonl line, None for a blank, torn or foreign line."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    iteration = row.get("iteration") if isinstance(row, dict) else None
+    return iteration if isinstance(iteration, int) else None

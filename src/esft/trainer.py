@@ -28,7 +28,7 @@ from esft.config import EMBEDDED_MODEL, ConfigError, ESConfig
 from esft.executor import LocalExecutor
 from esft.metrics import MetricsLogger, check_backend
 from esft.rewards import mean_of, reward_name, score
-from esft.tasks import load_task
+from esft.tasks import TASKS, load_task
 from esft.tasks.base import RewardFunc, Task, TaskError
 
 
@@ -46,6 +46,23 @@ def _rows(dataset: Any, where: str) -> list[dict[str, Any]]:
     if not rows:
         raise TaskError(f"{where} is empty")
     return rows
+
+
+def new_run_dir(args: ESConfig) -> Path:
+    """The directory of a new (not resumed) run; ConfigError if an earlier run already used it."""
+    name = args.run_name or f"{args.task}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir = Path(args.output_dir) / name
+    if list_checkpoints(run_dir):
+        raise ConfigError(
+            "run_name", f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, or another --run-name"
+        )
+    if any((run_dir / entry).exists() for entry in ("final", "config.yaml", "metrics.jsonl")):
+        raise ConfigError(
+            "run_name",
+            f"{run_dir} already holds a run without a complete checkpoint to --resume from; "
+            "pass another --run-name or delete that directory",
+        )
+    return run_dir
 
 
 class ESTrainer:
@@ -76,12 +93,15 @@ class ESTrainer:
         self.executor = LocalExecutor(self.engine, self._score, args.sigma)
         self.state = strategy.init(args.seed)
         self.run_dir: Path | None = None
+        self.initial_metrics: dict[str, float] = {}
         self._logger: MetricsLogger | None = None
 
     # ------------------------------------------------------------------ setup
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         args = self.args
         if reward_funcs is None and train_dataset is None:
+            if args.task not in TASKS:
+                raise ConfigError("task", f"unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}")
             return load_task(
                 args.task, train_data=args.train_data, eval_data=args.eval_data, seed=args.seed,
                 difficulty=args.difficulty, train_size=args.train_size, eval_size=args.eval_size,
@@ -99,7 +119,7 @@ class ESTrainer:
         return Task("custom", train, evals, funcs, list(reward_weights) if reward_weights else None, accuracy_func)
 
     def _build_engine(self, model: Any, tokenizer: Any):
-        from esft.engines.transformers_engine import TransformersEngine
+        from esft.engines.transformers_engine import NoTrainableParameters, TransformersEngine
 
         args = self.args
         options = dict(trainable=args.trainable, noise=args.noise, max_tokens=args.max_tokens, mini_batch_size=args.mini_batch_size)
@@ -108,6 +128,8 @@ class ESTrainer:
             path = str(embedded_model_path()) if name == EMBEDDED_MODEL else name
             try:
                 return TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, **options)
+            except NoTrainableParameters as error:
+                raise ConfigError("trainable", str(error)) from None
             except (OSError, ValueError) as error:
                 raise ConfigError("model", f"could not load {name!r}: {error}") from error
         if tokenizer is None:
@@ -132,11 +154,9 @@ class ESTrainer:
         args = self.args
         if self.resume_checkpoint is not None:
             run_dir = self.resume_checkpoint.parent
+            args.output_dir, args.run_name = str(run_dir.parent), run_dir.name
         else:
-            name = args.run_name or f"{args.task}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-            run_dir = Path(args.output_dir) / name
-            if list_checkpoints(run_dir) or (run_dir / "final").exists():
-                raise ConfigError("run_name", f"{run_dir} already holds a run; pass --resume {run_dir} or another --run-name")
+            run_dir = new_run_dir(args)
         run_dir.mkdir(parents=True, exist_ok=True)
         import yaml
 
@@ -182,16 +202,18 @@ class ESTrainer:
         if args.iterations > 0 and not self.task.train_dataset:
             raise TaskError("training needs a train dataset (or --iterations 0 to only evaluate)")
         self.run_dir = self._open_run_dir()
-        self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name)
         if self.resume_checkpoint is not None:
             load_master(self.resume_checkpoint, self.engine)
             self.state = strategy.ESState(args.seed, read_state(self.resume_checkpoint)["iteration"])
+        self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=self.state.iteration)
+        if self.resume_checkpoint is not None:
             self._logger.truncate_after(self.state.iteration)
             print(f"resumed from {self.resume_checkpoint} at iteration {self.state.iteration}", file=sys.stderr)
         else:
             before = self.evaluate(0)
             self._logger.log({"iteration": 0, **before})
             _report("before", before)
+            self.initial_metrics = before
         last: dict[str, float] = {}
         progress = _progress(args, self.state.iteration)
         while self.state.iteration < args.iterations:

@@ -30,6 +30,10 @@ class Generation:
     """Generated tokens per completion, EOS included, padding excluded."""
 
 
+class NoTrainableParameters(ValueError):
+    """The --trainable pattern matches no parameter name."""
+
+
 def resolve_device(device: str) -> torch.device:
     """"auto" picks CUDA when available, else CPU."""
     if device == "auto":
@@ -66,7 +70,9 @@ class TransformersEngine:
             if pattern is None or pattern.search(name)
         ]
         if not self.trainable:
-            raise ValueError(f"--trainable {trainable!r} matches no parameter of the model")
+            raise NoTrainableParameters(
+                f"{trainable!r} matches no parameter of the model; names look like {next(iter(dict(model.named_parameters())))!r}"
+            )
         self.master = {name: param.detach().to(torch.float32).clone() for _, name, param in self.trainable}
         self._scratch = {name: torch.empty_like(m) for name, m in self.master.items()}
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}

@@ -1,0 +1,225 @@
+"""ES core: strategy math, noise, exact restore, the update rule, float32 master, generation."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from esft import strategy
+from esft.engines.transformers_engine import TransformersEngine
+from esft.noise import NOISE_SCHEMES, draw_noise
+
+
+def load_engine(path, dtype=torch.float32, **kwargs) -> TransformersEngine:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return TransformersEngine(model, AutoTokenizer.from_pretrained(path), **kwargs)
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for _, name, param in engine.trainable}
+
+
+# ------------------------------------------------------------------ strategy
+def test_member_seeds_depend_only_on_seed_and_iteration():
+    state = strategy.ESState(seed=7, iteration=3)
+    seeds = strategy.ask(state, 30)
+    assert seeds == strategy.ask(strategy.ESState(seed=7, iteration=3), 30)
+    assert len(set(seeds)) == 30 and all(0 <= s < strategy.SEED_RANGE for s in seeds)
+    assert seeds != strategy.ask(strategy.ESState(seed=7, iteration=4), 30)
+    assert seeds != strategy.ask(strategy.ESState(seed=8, iteration=3), 30)
+    # (seed, iteration) pairs do not collide the way seed + iteration would
+    assert strategy.ask(strategy.ESState(1, 0), 5) != strategy.ask(strategy.ESState(0, 1), 5)
+
+
+EXPECTED_SHAPING = {
+    "zscore": lambda r: (r - r.mean()) / (r.std() + 1e-8),
+    "rank": None,  # checked through its properties below
+    "raw": lambda r: r,
+}
+
+
+@pytest.mark.parametrize("shaping", sorted(strategy.REWARD_SHAPING))
+def test_every_reward_shaping(shaping):
+    assert shaping in EXPECTED_SHAPING, "new shaping: add its expectation here"
+    rewards = np.array([0.3, 1.1, -0.2, 0.3, 0.9])
+    shaped = strategy.REWARD_SHAPING[shaping](rewards)
+    # Order-preserving (we maximize: a higher reward never gets a lower weight), ties equal.
+    for i in range(len(rewards)):
+        for j in range(len(rewards)):
+            if rewards[i] > rewards[j]:
+                assert shaped[i] > shaped[j]
+    assert shaped[0] == shaped[3]
+    if EXPECTED_SHAPING[shaping] is not None:
+        np.testing.assert_allclose(shaped, EXPECTED_SHAPING[shaping](rewards), rtol=0, atol=1e-12)
+    else:
+        np.testing.assert_allclose(shaped, [-0.125, 0.5, -0.5, -0.125, 0.25])
+    state, coefficients = strategy.tell(strategy.ESState(0, 4), rewards, alpha=0.01, shaping=shaping)
+    assert state.iteration == 5
+    np.testing.assert_allclose(coefficients, 0.01 / 5 * shaped, rtol=1e-12)
+
+
+def test_zscore_is_population_std_and_constant_rewards_give_zero_step():
+    shaped = strategy.zscore(np.array([1.0, 2.0, 3.0, 4.0]))
+    np.testing.assert_allclose(shaped.std(), 1.0, atol=1e-6)
+    assert strategy.tell(strategy.init(0), [0.5] * 4, alpha=1.0)[1] == [0.0] * 4
+    with pytest.raises(ValueError, match="finite"):
+        strategy.tell(strategy.init(0), [0.5, float("nan")], alpha=1.0)
+
+
+# --------------------------------------------------------------------- noise
+def test_noise_is_regenerated_from_seed_and_schemes_differ():
+    a = draw_noise("iid", 123, 4, (50, 3))
+    assert torch.equal(a, draw_noise("iid", 123, 4, (50, 3)))
+    assert a.dtype == torch.float32 and abs(float(a.std()) - 1.0) < 0.15
+    assert not torch.equal(a, draw_noise("iid", 123, 5, (50, 3)))  # i.i.d. across tensors
+    assert torch.equal(draw_noise("correlated", 123, 4, (50, 3)), draw_noise("correlated", 123, 5, (50, 3)))
+    assert NOISE_SCHEMES["iid"](10, 3) == 13 and NOISE_SCHEMES["correlated"](10, 3) == 10
+
+
+# ----------------------------------------------------------- engine weights
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_restore_is_bit_exact_over_many_cycles(tiny_model_dir, dtype):
+    engine = load_engine(tiny_model_dir, dtype=dtype)
+    before, checksum = weights(engine), engine.checksum()
+    for member_seed in range(60):
+        engine.perturb(member_seed * 7919, sigma=1e-2)
+        engine.restore()
+    after = weights(engine)
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    assert engine.checksum() == checksum
+
+
+def test_perturb_adds_sigma_times_regenerated_noise(tiny_model_dir):
+    engine = load_engine(tiny_model_dir)
+    base = weights(engine)
+    engine.perturb(42, sigma=1e-3)
+    for index, name, param in engine.trainable:
+        expected = base[name] + 1e-3 * draw_noise("iid", 42, index, param.shape)
+        torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-7)
+    engine.restore()
+
+
+def test_update_matches_direct_computation(tiny_model_dir):
+    engine = load_engine(tiny_model_dir)
+    base = {name: t.double() for name, t in weights(engine).items()}
+    seeds = strategy.ask(strategy.init(3), 6)
+    rewards = [0.1, 0.9, 0.4, 0.4, 0.0, 1.1]
+    _, coefficients = strategy.tell(strategy.init(3), rewards, alpha=5e-4)
+    engine.update(seeds, coefficients)
+    z = (np.array(rewards) - np.mean(rewards)) / (np.std(rewards) + 1e-8)
+    for index, name, param in engine.trainable:
+        step = sum(zi * draw_noise("iid", s, index, param.shape).double() for zi, s in zip(z, seeds))
+        expected = base[name] + 5e-4 / 6 * step
+        torch.testing.assert_close(param.detach().double(), expected, rtol=0, atol=1e-7)
+        assert torch.equal(param.detach(), engine.master[name])
+
+
+def test_bfloat16_master_equals_float32_computation_after_100_updates(tiny_model_dir):
+    bf16 = load_engine(tiny_model_dir, dtype=torch.bfloat16)
+    fp32 = load_engine(tiny_model_dir, dtype=torch.float32)
+    # Start both from the same (bfloat16-representable) weights.
+    fp32.load_master_state({name: m.clone() for name, m in bf16.master.items()})
+    start = {name: m.clone() for name, m in bf16.master.items()}
+    rng = np.random.default_rng(0)
+    for iteration in range(100):
+        seeds = strategy.ask(strategy.ESState(1, iteration), 4)
+        coefficients = (rng.standard_normal(4) * 5e-4 / 4).tolist()
+        bf16.update(seeds, coefficients)
+        fp32.update(seeds, coefficients)
+    for name in start:
+        assert torch.equal(bf16.master[name], fp32.master[name])
+        # the model's weights are the master rounded once to bfloat16
+        param = dict(bf16.model.named_parameters())[name]
+        assert torch.equal(param.detach(), fp32.master[name].to(torch.bfloat16))
+    # And the master did move: naive bfloat16 accumulation would have lost most of it.
+    moved = sum(int((bf16.master[n] != start[n]).sum()) for n in start)
+    total = sum(t.numel() for t in start.values())
+    assert moved / total > 0.99
+
+
+def test_trainable_regex_limits_what_moves_without_changing_noise(tiny_model_dir):
+    full = load_engine(tiny_model_dir)
+    partial = load_engine(tiny_model_dir, trainable=r"mlp\.")
+    assert {name for _, name, _ in partial.trainable} == {n for _, n, _ in full.trainable if "mlp." in n}
+    before = dict(partial.model.named_parameters())
+    frozen = {n: p.detach().clone() for n, p in before.items() if "mlp." not in n}
+    seeds, coefficients = [5, 9], [1e-3, -2e-3]
+    partial.update(seeds, coefficients)
+    full.update(seeds, coefficients)
+    after = dict(partial.model.named_parameters())
+    assert all(torch.equal(frozen[n], after[n].detach()) for n in frozen)
+    for name in partial.master:
+        assert torch.equal(partial.master[name], full.master[name])
+    with pytest.raises(ValueError, match="matches no parameter"):
+        load_engine(tiny_model_dir, trainable="no-such-layer")
+
+
+# ---------------------------------------------------------------- generation
+PROMPTS = ["Using the numbers [1 2 3]", "abc", "a somewhat longer prompt here", "x"]
+
+
+def manual_greedy(model, tokenizer, prompt: str, steps: int) -> list[int]:
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+    out = []
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=ids).logits[0, -1]
+            token = int(logits.argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
+def test_greedy_ignores_checkpoint_sampling_settings(tmp_path, tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # A checkpoint whose generation_config would make generate() sample and penalize repeats.
+    model.generation_config.update(do_sample=True, temperature=0.7, top_k=5, repetition_penalty=5.0, no_repeat_ngram_size=2)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = TransformersEngine.from_pretrained(str(tmp_path), device="cpu", max_tokens=12)
+    generation = engine.generate(PROMPTS)
+    for prompt, text, count in zip(PROMPTS, generation.texts, generation.num_tokens):
+        expected = manual_greedy(engine.model, tokenizer, prompt, 12)
+        assert text == tokenizer.decode(expected, skip_special_tokens=True)
+        assert count == 12
+    # The saved model keeps the checkpoint's own generation settings.
+    engine.save_pretrained(tmp_path / "saved")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "saved").generation_config.repetition_penalty == 5.0
+
+
+def test_generation_stops_at_eos_and_excludes_prompt(tiny_model_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tokens = manual_greedy(model, tokenizer, "abc", 8)
+    stop = tokens[3]
+    model.generation_config.eos_token_id = [stop]  # pretend the 4th greedy token is an EOS
+    engine = TransformersEngine(model, tokenizer, max_tokens=8)
+    generation = engine.generate(["abc"])
+    first = tokens.index(stop)
+    assert generation.num_tokens == [first + 1]
+    assert generation.texts == [tokenizer.decode(tokens[: first + 1])]
+
+
+def test_mini_batches_give_identical_results(tiny_model_dir):
+    engine = load_engine(tiny_model_dir, max_tokens=10)
+    engine.perturb(11, sigma=0.05)
+    whole = engine.generate(PROMPTS)
+    for size in (1, 3):
+        engine.mini_batch_size = size
+        assert engine.generate(PROMPTS) == whole
+    engine.restore()
+
+
+def test_perturbation_changes_completions_and_restore_brings_them_back(tiny_model_dir):
+    engine = load_engine(tiny_model_dir, max_tokens=10)
+    base = engine.generate(PROMPTS)
+    changed = 0
+    for member_seed in range(5):
+        engine.perturb(member_seed, sigma=0.5)
+        changed += engine.generate(PROMPTS).texts != base.texts
+        engine.restore()
+    assert changed >= 1
+    assert engine.generate(PROMPTS) == base
