@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from esft.engines.transformers_engine import Generation
+from esft.engines.transformers_engine import Generation, Sampling
 from esft.rewards import Scores
 
 Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str]], Scores]
@@ -50,9 +50,11 @@ class LocalExecutor:
         """Apply θ += Σ coefficientsᵢ·εᵢ on the engine."""
         self.engine.update(member_seeds, coefficients)
 
-    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None) -> Generation:
-        """Greedy completions of the unperturbed model (evaluation)."""
-        return self.engine.generate(prompts, mini_batch_size=mini_batch_size)
+    def generate(
+        self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None
+    ) -> Generation:
+        """Completions of the unperturbed model (evaluation): greedy unless `sampling` says otherwise."""
+        return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)
 
     def checksum(self) -> str:
         return self.engine.checksum()

@@ -30,6 +30,22 @@ class Generation:
     """Generated tokens per completion, EOS included, padding excluded."""
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How to decode. The default (temperature 0) is greedy, as ES rollouts are in the paper."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+    """Completions per prompt; Generation lists them prompt by prompt (n consecutive entries)."""
+    seed: int = 0
+    """Seeds the sampler, so sampled evaluations are reproducible."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
 class NoTrainableParameters(ValueError):
     """The --trainable pattern matches no parameter name."""
 
@@ -192,27 +208,35 @@ class TransformersEngine:
         return self._encoded[key]
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None) -> Generation:
-        """Greedy completions (decoded without the prompt) for every prompt, `mini_batch_size`
-        (default: the engine's) prompts per generate call."""
+    def generate(
+        self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None
+    ) -> Generation:
+        """Completions (decoded without the prompt) for every prompt: greedy by default, else sampled
+        per `sampling`; `mini_batch_size` (default: the engine's) prompts per generate call."""
+        from transformers import GenerationConfig
+
+        sampling = sampling or Sampling()
+        config = self.greedy
+        if not sampling.greedy:
+            config = GenerationConfig(**{**self.greedy.to_dict(), "do_sample": True, "temperature": sampling.temperature,
+                                         "top_p": sampling.top_p, "top_k": 0})
+        if sampling.n > 1:
+            config = GenerationConfig(**{**config.to_dict(), "num_return_sequences": sampling.n})
+        if not sampling.greedy:
+            torch.manual_seed(sampling.seed)
         encoded = self._encode(prompts)
         size = mini_batch_size or self.mini_batch_size or len(prompts)
         texts: list[str] = []
         counts: list[int] = []
         prompt_length = encoded["input_ids"].shape[1]
         for start in range(0, len(prompts), size):
-            input_ids = encoded["input_ids"][start : start + size]
-            attention_mask = encoded["attention_mask"][start : start + size]
             output = self.model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, generation_config=self.greedy
+                input_ids=encoded["input_ids"][start : start + size],
+                attention_mask=encoded["attention_mask"][start : start + size],
+                generation_config=config,
             )
-            new_tokens = output[:, prompt_length:]
-            for row in new_tokens.tolist():
-                length = len(row)
-                for position, token in enumerate(row):
-                    if token in self.eos_token_ids:
-                        length = position + 1
-                        break
+            for row in output[:, prompt_length:].tolist():
+                length = next((i + 1 for i, token in enumerate(row) if token in self.eos_token_ids), len(row))
                 counts.append(length)
                 texts.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
         return Generation(texts=texts, num_tokens=counts)
