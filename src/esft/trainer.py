@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import tempfile
@@ -25,11 +24,14 @@ from esft.checkpoint import (
     write_text_atomic,
 )
 from esft.config import EMBEDDED_MODEL, ConfigError, ESConfig
-from esft.executor import LocalExecutor
+from esft.factory import build_engine, build_executor
 from esft.metrics import MetricsLogger, check_backend
-from esft.rewards import mean_of, reward_name, score
-from esft.tasks import TASKS, load_task
+from esft.evaluation import EvalSettings, evaluate_task
+from esft.rewards import RewardRunner, mean_of, reward_name
+from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
+from esft.tasks.custom import is_spec, task_from_config, task_from_objects, task_label
+from esft.tasks.loading import check_rows, render_rows
 
 
 def embedded_model_path() -> Path:
@@ -39,18 +41,12 @@ def embedded_model_path() -> Path:
 
 def _rows(dataset: Any, where: str) -> list[dict[str, Any]]:
     """A list of dicts from a list of dicts or a `datasets.Dataset`, checked for a `prompt` column."""
-    rows = [dict(row) for row in dataset]
-    for index, row in enumerate(rows):
-        if not isinstance(row.get("prompt"), str):
-            raise TaskError(f"{where} row {index}: needs a 'prompt' column holding a string, got {sorted(row)}")
-    if not rows:
-        raise TaskError(f"{where} is empty")
-    return rows
+    return check_rows(dataset, where)
 
 
 def new_run_dir(args: ESConfig) -> Path:
     """The directory of a new (not resumed) run; ConfigError if an earlier run already used it."""
-    name = args.run_name or f"{args.task}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+    name = args.run_name or f"{task_label(args.task)}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir = Path(args.output_dir) / name
     if list_checkpoints(run_dir):
         raise ConfigError(
@@ -63,6 +59,25 @@ def new_run_dir(args: ESConfig) -> Path:
             "pass another --run-name or delete that directory",
         )
     return run_dir
+
+
+class PromptBatch(list):
+    """An iteration's rows, carrying the iteration as `batch_id`: the Ray executor sends only the id,
+    and its actors rebuild the same rows with prompt_batch."""
+
+    batch_id: int | None = None
+
+
+def prompt_batch(data: Sequence[dict[str, Any]], seed: int, size: int, iteration: int) -> PromptBatch:
+    """The iteration's prompt batch: consecutive slices of per-epoch shuffles of the train set,
+    a function of (seed, iteration) alone, so a resumed run sees the same batches."""
+    rows = PromptBatch()
+    for position in range(iteration * size, (iteration + 1) * size):
+        epoch, offset = divmod(position, len(data))
+        order = np.random.default_rng([seed, 1, epoch]).permutation(len(data))
+        rows.append(data[order[offset]])
+    rows.batch_id = iteration
+    return rows
 
 
 class ESTrainer:
@@ -89,8 +104,15 @@ class ESTrainer:
         if args.logging != "none":
             check_backend(args.logging)
         self.resume_checkpoint = resolve_resume(args.resume) if args.resume else None
-        self.engine = self._build_engine(model, processing_class)
-        self.executor = LocalExecutor(self.engine, self._score, args.sigma)
+        # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
+        self.executor = build_executor(args, self.task, self._score, lambda: self._build_engine(model, processing_class), model)
+        self.engine = self.executor.engine
+        # chat prompts need the tokenizer: the engine's, else (an engine in other processes) the model's
+        render_rows(self.task, getattr(self.engine, "tokenizer", None), lambda: self._load_tokenizer(model))
+        self.rewards, self.accuracy = self._build_reward_runners()
+        self._kl = None
+        # KL's base for a model passed as an object: a CPU float32 copy of its weights before training
+        self._kl_base = _cpu_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
         self.state = strategy.init(args.seed)
         self.run_dir: Path | None = None
         self.initial_metrics: dict[str, float] = {}
@@ -99,56 +121,42 @@ class ESTrainer:
     # ------------------------------------------------------------------ setup
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         args = self.args
-        if reward_funcs is None and train_dataset is None:
-            if args.task not in TASKS:
-                raise ConfigError("task", f"unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}")
-            return load_task(
-                args.task, train_data=args.train_data, eval_data=args.eval_data, seed=args.seed,
-                difficulty=args.difficulty, train_size=args.train_size, eval_size=args.eval_size,
-            )
-        if reward_funcs is None:
-            raise TaskError("reward_funcs is required when train_dataset is given")
-        funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
-        if reward_weights is not None and len(reward_weights) != len(funcs):
-            raise TaskError(f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions")
-        if isinstance(eval_dataset, dict):
-            evals = {split: _rows(rows, f"eval_dataset[{split!r}]") for split, rows in eval_dataset.items()}
-        else:
-            evals = {"eval": _rows(eval_dataset, "eval_dataset")} if eval_dataset is not None else {}
-        train = _rows(train_dataset, "train_dataset") if train_dataset is not None else []
-        return Task("custom", train, evals, funcs, list(reward_weights) if reward_weights else None, accuracy_func)
+        if reward_funcs is None and train_dataset is None and eval_dataset is None:
+            if args.task not in TASKS and args.task != "custom" and not is_spec(args.task):
+                raise ConfigError("task", f"unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
+                                  "or module:function / path/to/file.py:function")
+            return task_from_config(args, args.parsed_reward_weights())
+        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func)
+
+    def _load_tokenizer(self, model: Any):
+        from transformers import AutoTokenizer
+
+        from esft.factory import model_path
+
+        return AutoTokenizer.from_pretrained(model_path(self.args, model if isinstance(model, str) else None))
+
+    def _build_reward_runners(self) -> tuple[RewardRunner, RewardRunner | None]:
+        """Reward (and accuracy) scoring; user functions in the sandbox unless --no-reward-sandbox."""
+        args, task = self.args, self.task
+        options = dict(failure_reward=args.failure_reward, sandbox=args.reward_sandbox, timeout=args.reward_timeout,
+                       memory_mb=args.reward_memory_mb, workers=args.reward_workers)
+        rewards = RewardRunner(task.reward_funcs, task.reward_weights, **options)
+        if task.accuracy_func is None:
+            return rewards, None
+        if task.reward_funcs == [task.accuracy_func] and task.reward_weights in (None, [1.0]):
+            return rewards, rewards  # the reward is the accuracy: score once
+        return rewards, RewardRunner([task.accuracy_func], **options)
 
     def _build_engine(self, model: Any, tokenizer: Any):
-        from esft.engines.transformers_engine import NoTrainableParameters, TransformersEngine
-
-        args = self.args
-        options = dict(trainable=args.trainable, noise=args.noise, max_tokens=args.max_tokens, mini_batch_size=args.mini_batch_size)
-        if model is None or isinstance(model, str):
-            name = model or args.model
-            path = str(embedded_model_path()) if name == EMBEDDED_MODEL else name
-            try:
-                return TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, **options)
-            except NoTrainableParameters as error:
-                raise ConfigError("trainable", str(error)) from None
-            except (OSError, ValueError) as error:
-                raise ConfigError("model", f"could not load {name!r}: {error}") from error
-        if tokenizer is None:
-            raise TaskError("pass processing_class (the tokenizer) with a loaded model")
-        return TransformersEngine(model, tokenizer, **options)
+        """The --engine engine for `model` (a name, directory, loaded model or an engine): esft.factory."""
+        return build_engine(self.args, model, tokenizer)
 
     def _score(self, rows: Sequence[dict[str, Any]], completions: Sequence[str]):
-        return score(self.task.reward_funcs, rows, completions, self.task.reward_weights)
+        return self.rewards.score(rows, completions)
 
     def _batch(self, iteration: int) -> list[dict[str, Any]]:
-        """The iteration's prompt batch: consecutive slices of per-epoch shuffles of the train set,
-        a function of (seed, iteration) alone, so a resumed run sees the same batches."""
-        data, size = self.task.train_dataset, self.args.batch_size
-        rows = []
-        for position in range(iteration * size, (iteration + 1) * size):
-            epoch, offset = divmod(position, len(data))
-            order = np.random.default_rng([self.args.seed, 1, epoch]).permutation(len(data))
-            rows.append(data[order[offset]])
-        return rows
+        """The iteration's prompt batch (see prompt_batch)."""
+        return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
     def _open_run_dir(self) -> Path:
         args = self.args
@@ -165,33 +173,32 @@ class ESTrainer:
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:
-        """Greedy evaluation of the current weights on every eval split; writes per-sample JSONL
-        when a run directory is open. Returns `eval/<split>/{reward,accuracy,mean_length}`."""
-        metrics: dict[str, float] = {}
-        for split, rows in self.task.eval_datasets.items():
-            generation = self.executor.generate([row["prompt"] for row in rows], self.args.eval_batch_size)
-            scores = self._score(rows, generation.texts)
-            metrics[f"eval/{split}/reward"] = scores.mean()
-            metrics[f"eval/{split}/mean_length"] = float(np.mean(generation.num_tokens))
-            accuracy = None
-            if self.task.accuracy_func is not None:
-                accuracy = score([self.task.accuracy_func], rows, generation.texts).total
-                metrics[f"eval/{split}/accuracy"] = mean_of(accuracy) or 0.0
-            if self.run_dir is not None:
-                self._write_samples(split, iteration, rows, generation.texts, scores.total, accuracy)
-        return metrics
+        """Evaluate the current weights on every eval split (esft.evaluation: greedy unless
+        --temperature/--eval-samples say otherwise); writes per-sample JSONL when a run directory is
+        open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`."""
+        args = self.args
+        settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed)
+        folder = None
+        if self.run_dir is not None:
+            folder = self.run_dir / "eval" / f"iteration-{iteration if iteration is not None else self.state.iteration}"
+        generate = lambda prompts, sampling: self.executor.generate(prompts, args.eval_batch_size, sampling)  # noqa: E731
+        kl = self._kl_scorer() if self.task.report_kl else None
+        return evaluate_task(generate, self.task, self.rewards, self.accuracy, settings, kl, folder)
 
-    def _write_samples(self, split, iteration, rows, completions, rewards, accuracy) -> None:
-        folder = self.run_dir / "eval" / f"iteration-{iteration if iteration is not None else self.state.iteration}"
-        folder.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for i, (row, completion) in enumerate(zip(rows, completions)):
-            sample = {"prompt": row["prompt"], "completion": completion, "reward": rewards[i]}
-            sample |= {k: v for k, v in row.items() if k not in ("prompt",) and _jsonable(v)}
-            if accuracy is not None:
-                sample["accuracy"] = accuracy[i]
-            lines.append(json.dumps(sample))
-        write_text_atomic(folder / f"{split}.jsonl", "\n".join(lines) + "\n")
+    def _kl_scorer(self):
+        """KL(current || base) per token; base = --base-model, else the initial weights of --model."""
+        if self._kl is None:
+            model = getattr(self.engine, "model", None)
+            if model is None:
+                print("KL needs an in-process transformers engine; not reported", file=sys.stderr)
+                return None
+            from esft.engines.logprobs import KLScorer
+
+            base = self.args.base_model or self._kl_base
+            if base is None:
+                base = str(embedded_model_path()) if self.args.model == EMBEDDED_MODEL else self.args.model
+            self._kl = KLScorer(model, self.engine.tokenizer, base)
+        return self._kl
 
     # ------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
@@ -240,7 +247,14 @@ class ESTrainer:
         if args.iterations > 0:
             self._save(self.run_dir / "final")
         self._logger.close()
+        self.close()
         return last
+
+    def close(self) -> None:
+        """Stop the reward sandbox workers (they restart if the trainer is used again)."""
+        self.rewards.close()
+        if self.accuracy is not None:
+            self.accuracy.close()
 
     def _iteration_metrics(self, members, elapsed: float) -> dict[str, float]:
         rewards = np.array([m.reward for m in members])
@@ -256,6 +270,8 @@ class ESTrainer:
             "perf/iteration_s": elapsed,
             "perf/tokens_per_s": tokens / elapsed,
             "reward/failures": sum(m.scores.failures for m in members),
+            "reward/errors": sum(m.scores.errors for m in members),
+            "reward/timeouts": sum(m.scores.timeouts for m in members),
         }
         for func in self.task.reward_funcs:
             values = [mean_of(m.scores.per_function[reward_name(func)]) for m in members]
@@ -283,12 +299,12 @@ class ESTrainer:
             raise
 
 
-def _jsonable(value: Any) -> bool:
-    try:
-        json.dumps(value)
-        return True
-    except (TypeError, ValueError):
-        return False
+def _cpu_copy(model: Any) -> Any:
+    import copy
+
+    import torch
+
+    return copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
 
 
 def _report(when: str, metrics: dict[str, float]) -> None:

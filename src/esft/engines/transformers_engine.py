@@ -28,6 +28,8 @@ class Generation:
     texts: list[str]
     num_tokens: list[int]
     """Generated tokens per completion, EOS included, padding excluded."""
+    token_ids: list[list[int]] | None = None
+    """The generated token ids (EOS included, padding excluded), when the engine provides them."""
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,7 @@ class TransformersEngine:
         size = mini_batch_size or self.mini_batch_size or len(prompts)
         texts: list[str] = []
         counts: list[int] = []
+        token_ids: list[list[int]] = []
         prompt_length = encoded["input_ids"].shape[1]
         for start in range(0, len(prompts), size):
             output = self.model.generate(
@@ -238,8 +241,9 @@ class TransformersEngine:
             for row in output[:, prompt_length:].tolist():
                 length = next((i + 1 for i, token in enumerate(row) if token in self.eos_token_ids), len(row))
                 counts.append(length)
+                token_ids.append(row[:length])
                 texts.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
-        return Generation(texts=texts, num_tokens=counts)
+        return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
 
     # ----------------------------------------------------------------- saving
     def save_pretrained(self, path: str | Path) -> None:

@@ -6,9 +6,15 @@ import os
 from collections.abc import Callable
 
 from esft.tasks.base import Task, TaskError
+from esft.tasks.conciseness import make_conciseness_task
 from esft.tasks.countdown_task import make_countdown_task
+from esft.tasks.math_task import make_math_task
 
-TASKS: dict[str, Callable[..., Task]] = {"countdown": make_countdown_task}
+TASKS: dict[str, Callable[..., Task]] = {
+    "countdown": make_countdown_task,
+    "conciseness": make_conciseness_task,
+    "math": make_math_task,
+}
 
 
 def load_task(
@@ -25,7 +31,7 @@ def load_task(
     try:
         factory = TASKS[name]
     except KeyError:
-        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(sorted(TASKS))}") from None
+        raise TaskError(f"unknown task {name!r}; known tasks: {', '.join(TASKS)}") from None
     return factory(
         train_data=train_data,
         eval_data=eval_data,

@@ -9,6 +9,17 @@ from typing import Any
 # TRL's reward signature: f(prompts, completions, **columns) -> list[float | None]; None = no score.
 RewardFunc = Callable[..., Sequence[float | None]]
 
+PROMPT_SOURCE = "_prompt_source"
+"""Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
+functions receive the original, as in TRL; it is never passed as a column)."""
+TRUSTED_ATTRIBUTE = "__esft_trusted__"
+
+
+def trusted_reward(func):
+    """Mark a built-in reward function as trusted: it runs in-process, outside the sandbox."""
+    setattr(func, TRUSTED_ATTRIBUTE, True)
+    return func
+
 
 class TaskError(ValueError):
     """A task, dataset file or dataset row is unusable; the message says where and how to fix it."""
@@ -27,3 +38,8 @@ class Task:
     accuracy_func: RewardFunc | None = None
     """Optional 0/1 correctness per completion, reported as `eval/<split>/accuracy`."""
     metadata: dict[str, Any] = field(default_factory=dict)
+    prompt_template: str | None = None
+    """Optional `str.format` template building each row's `prompt` from its columns, e.g.
+    "Q: {question}\nA:" (used for rows without a `prompt` column)."""
+    report_kl: bool = False
+    """Evaluation also reports KL(fine-tuned || base) per generated token (`eval/<split>/kl`)."""

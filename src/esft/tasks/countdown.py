@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 from numbers import Integral
 
+from esft.tasks.base import trusted_reward
+
 PROMPT_TEMPLATE = (
     "You are a helpful assistant. You first think about the reasoning process in your mind and then "
     "provide the user with the answer.Using the numbers {numbers}, create an equation that equals "
@@ -146,6 +148,7 @@ def answer_score(completion: str, numbers: Sequence[int], target: float | int | 
     return 1.0 if abs(float(value) - goal) < 1e-5 else 0.0
 
 
+@trusted_reward  # our own code, safe on any model output: runs in-process, no sandbox overhead
 def countdown_reward(
     prompts: Sequence, completions: Sequence[str], *, numbers: Sequence, target: Sequence, **kwargs
 ) -> list[float]:
@@ -159,6 +162,7 @@ def countdown_reward(
     ]
 
 
+@trusted_reward
 def countdown_accuracy(
     prompts: Sequence, completions: Sequence[str], *, numbers: Sequence, target: Sequence, **kwargs
 ) -> list[float]:

@@ -1,0 +1,208 @@
+"""Bring your own task: `--task module:make_task` / `--task file.py:make_task`, or no code at all:
+`--train-data FILE --reward-funcs module:fn[,module:fn2] [--reward-weights 1,0.5]`.
+
+Everything here runs before the model loads, so bad input fails fast with one message that names
+the file, row, split or function at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import inspect
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from esft.rewards import reward_name
+from esft.sandbox import describe, load_module_from_file
+from esft.tasks.base import Task, TaskError
+from esft.tasks.loading import apply_template, check_rows, dataset_columns, load_splits, train_split
+
+# The arguments a task factory may take (it receives those it names, or all with **kwargs).
+FACTORY_SETTINGS = ("train_data", "eval_data", "seed", "difficulty", "train_size", "eval_size")
+
+
+def is_spec(value: str) -> bool:
+    """True for "module:function" or "path/to/file.py:function"."""
+    return ":" in value
+
+
+def load_callable(spec: str, option: str) -> Callable:
+    """The function named by "module:function" or "path/to/file.py:function"."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name.isidentifier():
+        raise TaskError(f"{option} {spec}: expected module:function or path/to/file.py:function")
+    if target.endswith(".py") or os.sep in target or "/" in target:
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise TaskError(f"{option} {spec}: {path} is not a file")
+        directory = str(path.resolve().parent)
+        if directory not in sys.path:
+            sys.path.insert(0, directory)  # the file may import its neighbours, as a script would
+        digest = hashlib.blake2b(str(path.resolve()).encode(), digest_size=4).hexdigest()
+        module_name = f"_esft_user_{path.stem}_{digest}"
+        loader = lambda: load_module_from_file(str(path.resolve()), module_name)  # noqa: E731
+    else:
+        if os.getcwd() not in sys.path and "" not in sys.path:
+            sys.path.insert(0, os.getcwd())  # `esft` is a console script: make ./my_module.py importable
+        loader = lambda: importlib.import_module(target)  # noqa: E731
+    try:
+        module = loader()
+    except ModuleNotFoundError as error:
+        raise TaskError(f"{option} {spec}: cannot import {target!r} ({error}); is it on PYTHONPATH or in the "
+                        "current directory?") from None
+    except BaseException as error:  # noqa: BLE001 - whatever the user's module raises while importing
+        raise TaskError(f"{option} {spec}: importing {target!r} failed: {describe(error)}") from None
+    func = getattr(module, name, None)
+    if func is None:
+        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise TaskError(f"{option} {spec}: {target!r} has no {name!r} (it defines: {', '.join(public[:12]) or 'nothing callable'})")
+    if not callable(func):
+        raise TaskError(f"{option} {spec}: {name!r} is a {type(func).__name__}, not a function")
+    return func
+
+
+def check_reward_func(func: Any, columns: set[str], where: str, role: str = "reward function") -> None:
+    """TaskError unless `func` can be called as f(prompts=..., completions=..., **columns) with
+    `columns` (TRL's convention): it must take `completions`, take its arguments by keyword, and
+    every argument without a default must be `prompts`, `completions` or a column of the data."""
+    name = reward_name(func)
+    if not callable(func):
+        raise TaskError(f"{role} {func!r} is not callable")
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):
+        return  # a builtin or extension: nothing to check
+    params = list(signature.parameters.values())
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    by_keyword = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    convention = "reward functions are called as f(prompts=..., completions=..., **columns), TRL's convention"
+    positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
+    if positional_only:
+        raise TaskError(f"{role} {name}{signature} has a wrong signature: positional-only {positional_only}; {convention}")
+    if "completions" not in by_keyword and not takes_any:
+        raise TaskError(f"{role} {name}{signature} has a wrong signature: it takes no 'completions' (nor **kwargs); {convention}")
+    required = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
+    missing = [column for column in required if column not in ("prompts", "completions") and column not in columns]
+    if missing:
+        raise TaskError(f"{role} {name} needs column {missing[0]!r}, which {where} does not have "
+                        f"(its columns: {', '.join(sorted(columns)) or 'none besides prompt'})")
+
+
+def _eval_splits(eval_dataset: Any, label: str) -> dict[str, Any]:
+    if eval_dataset is None:
+        return {}
+    if isinstance(eval_dataset, Mapping):  # a dict of splits or a datasets.DatasetDict
+        return dict(eval_dataset)
+    return {label: eval_dataset}
+
+
+def prepare_task(task: Any, origin: str = "the task") -> Task:
+    """Check a Task before any model loads: rows (dicts with a prompt, after the optional template),
+    reward and accuracy functions against the columns of every dataset. Returns it normalised."""
+    if not isinstance(task, Task):
+        raise TaskError(f"{origin} returned a {type(task).__name__}, not an esft Task")
+    train_where = task.metadata.get("train_where", "train_dataset")
+    eval_where = task.metadata.get("eval_where", "eval_dataset")
+    raw_train = [] if task.train_dataset is None else list(task.train_dataset)
+    splits = {split: list(rows) for split, rows in _eval_splits(task.eval_datasets, "eval").items()}
+    labels = {split: task.metadata.get("eval_labels", {}).get(split, f"{eval_where}[{split!r}]") for split in splits}
+    if task.prompt_template:
+        raw_train = apply_template([dict(r) for r in raw_train], task.prompt_template, train_where)
+        splits = {s: apply_template([dict(r) for r in rows], task.prompt_template, labels[s]) for s, rows in splits.items()}
+    train = check_rows(raw_train, train_where) if raw_train else []
+    evals = {split: check_rows(rows, labels[split]) for split, rows in splits.items()}
+    funcs = list(task.reward_funcs) if isinstance(task.reward_funcs, Sequence) else [task.reward_funcs]
+    if not funcs:
+        raise TaskError(f"{origin} has no reward functions")
+    if task.reward_weights is not None and len(task.reward_weights) != len(funcs):
+        raise TaskError(f"{origin}: {len(task.reward_weights)} reward weights for {len(funcs)} reward functions")
+    datasets = ([(train_where, train)] if train else []) + [(labels[s], rows) for s, rows in evals.items()]
+    for where, rows in datasets:
+        columns = dataset_columns(rows)
+        for func in funcs:
+            check_reward_func(func, columns, where)
+        if task.accuracy_func is not None:
+            check_reward_func(task.accuracy_func, columns, where, role="accuracy function")
+    return dataclasses.replace(task, train_dataset=train, eval_datasets=evals, reward_funcs=funcs)
+
+
+def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, reward_weights: Any,
+                      accuracy_func: Any) -> Task:
+    """The ESTrainer(reward_funcs=..., train_dataset=..., eval_dataset=...) task. Reward functions
+    may be callables or "module:function" strings."""
+    if reward_funcs is None:
+        raise TaskError("reward_funcs is required when train_dataset or eval_dataset is given")
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    funcs = [load_callable(f, "reward_funcs") if isinstance(f, str) else f for f in funcs]
+    if isinstance(accuracy_func, str):
+        accuracy_func = load_callable(accuracy_func, "accuracy_func")
+    if reward_weights is not None and len(reward_weights) != len(funcs):
+        raise TaskError(f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions")
+    single = eval_dataset is not None and not isinstance(eval_dataset, Mapping)
+    task = Task("custom", train_dataset if train_dataset is not None else [], _eval_splits(eval_dataset, "eval"), funcs,
+                list(reward_weights) if reward_weights is not None else None, accuracy_func,
+                metadata={"eval_labels": {"eval": "eval_dataset"}} if single else {})
+    return prepare_task(task, "the given datasets")
+
+
+def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: str, reward_weights: list[float] | None) -> Task:
+    """`--train-data/--eval-data` + `--reward-funcs`: no code beyond the reward functions."""
+    if train_data is None and eval_data is None:
+        raise TaskError("--reward-funcs: give the data too, with --train-data FILE (and/or --eval-data FILE)")
+    funcs = [load_callable(spec.strip(), "--reward-funcs") for spec in reward_funcs.split(",") if spec.strip()]
+    train, evals, metadata = [], {}, {}
+    if train_data is not None:
+        splits = load_splits(train_data)
+        name, train = train_split(splits, train_data)
+        metadata["train_where"] = f"{train_data}" if len(splits) == 1 else f"{train_data} (split 'train')"
+        if eval_data is None:  # a DatasetDict's other splits are its evaluation splits
+            evals = {split: rows for split, rows in splits.items() if split != name}
+            metadata["eval_labels"] = {split: f"{train_data} (split {split!r})" for split in evals}
+    if eval_data is not None:
+        evals = load_splits(eval_data)
+        single_file = Path(eval_data).is_file()
+        metadata["eval_labels"] = {split: str(eval_data) if single_file else f"{eval_data} (split {split!r})" for split in evals}
+    task = Task("custom", train, evals, funcs, reward_weights, metadata=metadata)
+    return prepare_task(task, "--reward-funcs")
+
+
+def task_from_factory(spec: str, settings: dict[str, Any]) -> Task:
+    """`--task module:make_task`: call the factory with the settings it takes, check its Task."""
+    factory = load_callable(spec, "--task")
+    try:
+        parameters = inspect.signature(factory).parameters.values()
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        names = {p.name for p in parameters}
+    except (TypeError, ValueError):
+        takes_any, names = False, set()
+    kwargs = {k: v for k, v in settings.items() if k in FACTORY_SETTINGS and (takes_any or k in names)}
+    try:
+        task = factory(**kwargs)
+    except TaskError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the user's factory failed: say where
+        raise TaskError(f"--task {spec}: the task factory raised {describe(error)}") from None
+    return prepare_task(task, f"--task {spec}")
+
+
+def task_label(task: str) -> str:
+    """A run-directory-friendly name for --task (a spec becomes its function name)."""
+    return task.rpartition(":")[2] if is_spec(task) else task
+
+
+def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
+    """The task an ESConfig names: --reward-funcs data, a --task module:function factory, or a
+    registered task (countdown, conciseness, math)."""
+    if args.reward_funcs:
+        return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights)
+    settings = {name: getattr(args, name) for name in FACTORY_SETTINGS}
+    if is_spec(args.task):
+        return task_from_factory(args.task, settings)
+    from esft.tasks import load_task
+
+    return prepare_task(load_task(args.task, **settings), f"--task {args.task}")

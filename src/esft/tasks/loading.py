@@ -1,0 +1,255 @@
+"""Dataset rows from files, directories or the local `datasets` cache, checked and rendered.
+
+Sources: JSON (a list of objects, or JSON Lines), JSONL, CSV, Parquet, a `save_to_disk` Dataset or
+DatasetDict directory, or the name of a Hugging Face dataset already in the local cache (loaded
+offline: nothing is downloaded). Every source becomes {split: rows}; rows are plain dicts.
+
+Rows need a `prompt`: a string, or chat messages [{"role": ..., "content": ...}] that are rendered
+with the tokenizer's chat template and generation prompt once the model is loaded (render_rows).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
+
+DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
+_DATASET_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+_FORMATS = "a .json, .jsonl, .csv or .parquet file, a save_to_disk directory, or a dataset name in the local cache"
+
+
+def looks_like_path(source: str) -> bool:
+    """True unless `source` could be a dataset name ("name" or "org/name" without a data suffix)."""
+    return (
+        source.lower().endswith(DATA_SUFFIXES)
+        or source.startswith((".", "/", "~"))
+        or not _DATASET_NAME.match(source)
+        or Path(source).exists()
+    )
+
+
+def load_splits(source: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
+    """{split: rows} of a data source. A file is one split named after its stem; a directory of a
+    single Dataset is one split named after the directory; a DatasetDict gives its splits."""
+    path = Path(source)
+    if path.is_dir():
+        return _load_from_disk(path)
+    if path.exists():
+        suffix = path.suffix.lower()
+        loaders = {".json": _read_json, ".jsonl": _read_jsonl, ".csv": _read_csv, ".parquet": _read_parquet}
+        if suffix not in loaders:
+            raise TaskError(f"{path}: unsupported data file type {suffix or '(no suffix)'!r}; use {_FORMATS}")
+        return {path.stem: loaders[suffix](path)}
+    if looks_like_path(str(source)):
+        raise TaskError(f"{path}: no such file or directory; pass {_FORMATS}")
+    return _load_cached(str(source))
+
+
+def train_split(splits: dict[str, list[dict[str, Any]]], source: Any) -> tuple[str, list[dict[str, Any]]]:
+    """The training split of a source: its only split, else the one named "train"."""
+    if len(splits) == 1:
+        return next(iter(splits.items()))
+    if "train" in splits:
+        return "train", splits["train"]
+    raise TaskError(f"{source}: has splits {', '.join(sorted(splits))} and none is named 'train'; "
+                    "pass a source with a single split, or name the training split 'train'")
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise TaskError(f"{path}: cannot read it ({error})") from None
+
+
+def _read_json(path: Path) -> list[dict[str, Any]]:
+    text = _read_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        if error.msg == "Extra data":  # JSON Lines in a .json file, as `datasets` accepts
+            return _parse_jsonl(path, text)
+        raise TaskError(f"{path}: not valid JSON (line {error.lineno}: {error.msg}); expected a list of "
+                        'objects such as [{"prompt": "...", "answer": "..."}]') from None
+    if not isinstance(data, list):
+        raise TaskError(f"{path}: expected a JSON list of row objects, got a JSON {type(data).__name__}")
+    return _objects(data, path)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return _parse_jsonl(path, _read_text(path))
+
+
+def _parse_jsonl(path: Path, text: str) -> list[dict[str, Any]]:
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as error:
+            raise TaskError(f"{path}: line {number} is not valid JSON ({error.msg}); JSON Lines need one object per line") from None
+    return _objects(rows, path)
+
+
+def _objects(rows: list[Any], path: Path) -> list[dict[str, Any]]:
+    for index, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise TaskError(f"{path}: row {index} is a {type(row).__name__}, not an object of columns")
+    return rows
+
+
+def _read_csv(path: Path) -> list[dict[str, Any]]:
+    try:
+        with open(path, newline="", encoding="utf-8") as handle:
+            rows = [dict(row) for row in csv.DictReader(handle)]
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise TaskError(f"{path}: cannot read it as CSV ({error})") from None
+    for index, row in enumerate(rows):
+        if None in row:
+            raise TaskError(f"{path}: row {index} has more fields than the header")
+    return rows
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    except ImportError:
+        raise TaskError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    except Exception as error:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise TaskError(f"{path}: cannot read it as Parquet ({error})") from None
+
+
+def _load_from_disk(path: Path) -> dict[str, list[dict[str, Any]]]:
+    import datasets
+
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as error:  # noqa: BLE001 - any failure means the same thing to the user
+        raise TaskError(f"{path}: cannot load it as a dataset directory ({error}); pass a directory written by "
+                        "Dataset.save_to_disk or DatasetDict.save_to_disk, or a data file") from None
+    if isinstance(loaded, datasets.DatasetDict):
+        if not loaded:
+            raise TaskError(f"{path}: the DatasetDict has no splits")
+        return {name: loaded[name].to_list() for name in loaded}
+    return {path.resolve().name: loaded.to_list()}
+
+
+def _load_cached(name: str) -> dict[str, list[dict[str, Any]]]:
+    """A dataset from the local Hugging Face cache, offline (HF_DATASETS_OFFLINE): never a download."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    import datasets
+
+    saved = datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        datasets.logging.disable_progress_bar()
+        verbosity = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity_error()
+        try:
+            loaded = datasets.load_dataset(name)
+        finally:
+            datasets.logging.set_verbosity(verbosity)
+    except Exception as error:  # noqa: BLE001
+        raise TaskError(f"{name}: not a file or directory, and not a dataset in the local Hugging Face cache "
+                        f"({' '.join(str(error).split())[:200]}); pass {_FORMATS}") from None
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE = saved
+    if isinstance(loaded, datasets.DatasetDict):
+        return {split: loaded[split].to_list() for split in loaded}
+    return {name.split("/")[-1]: loaded.to_list()}
+
+
+# ------------------------------------------------------------------------------ checking rows
+def _is_messages(prompt: Any) -> bool:
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m for m in prompt)
+    )
+
+
+def check_rows(rows: Iterable[Any], where: str) -> list[dict[str, Any]]:
+    """Rows as dicts (from a list, a `datasets.Dataset`, ...), each with a usable `prompt`."""
+    checked = []
+    for index, row in enumerate(rows):
+        if not isinstance(row, Mapping):
+            raise TaskError(f"{where} row {index}: expected a mapping of columns, got a {type(row).__name__}")
+        row = dict(row)
+        prompt = row.get(PROMPT_SOURCE, row.get("prompt"))
+        if not isinstance(prompt, str) and not _is_messages(prompt):
+            got = f"columns {sorted(row)}" if "prompt" not in row else f"a {type(prompt).__name__}: {str(prompt)[:60]!r}"
+            raise TaskError(f"{where} row {index}: needs a 'prompt' column holding a string or a list of chat messages "
+                            f"[{{'role': ..., 'content': ...}}], got {got}")
+        checked.append(row)
+    if not checked:
+        raise TaskError(f"{where} is empty")
+    return checked
+
+
+def apply_template(rows: list[dict[str, Any]], template: str, where: str) -> list[dict[str, Any]]:
+    """Rows without a `prompt` get `template.format(**row)`."""
+    result = []
+    for index, row in enumerate(rows):
+        if "prompt" not in row:
+            try:
+                row = {**row, "prompt": template.format(**row)}
+            except (KeyError, IndexError, ValueError) as error:
+                raise TaskError(f"{where} row {index}: prompt template {template!r} cannot be filled ({type(error).__name__}: "
+                                f"{error}); columns are {sorted(row)}") from None
+        result.append(row)
+    return result
+
+
+def dataset_columns(rows: list[dict[str, Any]]) -> set[str]:
+    """Columns passed to reward functions: every key of any row but `prompt`."""
+    return {key for row in rows for key in row if key not in ("prompt", PROMPT_SOURCE)}
+
+
+# ----------------------------------------------------------------------------- chat rendering
+def chatml(messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
+    """Messages in the ChatML format of Qwen models, as plain text: the rendering used when the
+    tokenizer has no chat template."""
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def render_prompt(prompt: str | list, tokenizer: Any) -> str:
+    """The text the model sees. Chat messages go through the tokenizer's chat template with the
+    generation prompt (or continue a final assistant message, as TRL does); a tokenizer without a
+    chat template gets the plain-text ChatML rendering."""
+    if isinstance(prompt, str):
+        return prompt
+    continue_final = prompt[-1].get("role") == "assistant"
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [dict(m) for m in prompt], tokenize=False, add_generation_prompt=not continue_final,
+            continue_final_message=continue_final,
+        )
+    text = chatml(prompt, add_generation_prompt=not continue_final)
+    return text[: -len("<|im_end|>\n")] if continue_final else text
+
+
+def render_rows(task: Task, tokenizer: Any = None, load_tokenizer: Any = None) -> int:
+    """Render every chat prompt of the task in place: `prompt` becomes the text, the messages move to
+    PROMPT_SOURCE (reward functions still receive them). Without `tokenizer`, `load_tokenizer()` is
+    called once if some prompt needs one. Returns how many rows were rendered."""
+    count = 0
+    for rows in (task.train_dataset, *task.eval_datasets.values()):
+        for row in rows:
+            if PROMPT_SOURCE not in row and not isinstance(row["prompt"], str):
+                if tokenizer is None and load_tokenizer is not None:
+                    tokenizer = load_tokenizer()
+                row[PROMPT_SOURCE] = row["prompt"]
+                row["prompt"] = render_prompt(row[PROMPT_SOURCE], tokenizer)
+                count += 1
+    return count

@@ -1,0 +1,213 @@
+"""The reward sandbox with real worker processes: every failure mode costs only the failing samples
+(or batch), is counted and logged once, and the pool is repaired so scoring continues."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import sandbox_rewards as R
+from esft.rewards import RewardRunner, score
+from esft.sandbox import FuncRef, WorkerPool, func_ref
+from esft.tasks.countdown import countdown_reward
+
+TESTS = Path(__file__).parent
+ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(4)]
+MIXED = ["ok", "BAD", "fine!", "x"]  # lengths 2, 3, 5, 1
+GOOD = ["a", "bb", "ccc", "dddd"]
+
+
+@pytest.fixture
+def runner():
+    made = []
+
+    def make(func, **options):
+        options = {"timeout": 1.0, "memory_mb": 1024, "workers": 1, **options}
+        made.append(RewardRunner([func], **options))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def warnings_of(caplog) -> list[str]:
+    return [record.getMessage() for record in caplog.records if record.name == "esft"]
+
+
+# --------------------------------------------------------------------- per-sample failures
+@pytest.mark.parametrize("func, message", [
+    (R.raises_on_bad, "RuntimeError: boom on a BAD completion"),
+    (R.non_numbers_on_bad, "returned 'not a number' (str), not a number"),
+    (R.nan_and_none, "returned nan"),
+])
+def test_a_failing_sample_costs_only_its_own_score(runner, caplog, func, message):
+    r = runner(func, failure_reward=-7.0)
+    scores = r.score(ROWS, MIXED)
+    assert scores.total == [2.0, -7.0, 5.0, 1.0]  # only "BAD" failed; the others were scored
+    assert (scores.errors, scores.timeouts, scores.failures) == (1, 0, 1)
+    assert scores.mean() == pytest.approx((2 - 7 + 5 + 1) / 4)
+    r.score(ROWS, MIXED)  # a second failure of the same kind is counted but not logged again
+    logged = [m for m in warnings_of(caplog) if func.__name__ in m]
+    assert len(logged) == 1 and message in logged[0] and "failure reward -7" in logged[0]
+    assert r.pool.pids() and r.pool.pids()[0] != os.getpid()
+
+
+# ---------------------------------------------------------- failures that take the process
+@pytest.mark.parametrize("func, kind, message", [
+    (R.hangs_on_bad, "timeout", "no result within 1 s"),
+    (R.busy_loops_on_bad, "timeout", "no result within 1 s"),
+    (R.exits_on_bad, "error", "worker process exited with code 3"),
+    (R.segfaults_on_bad, "error", "killed by signal SIGSEGV"),
+    (R.hogs_memory_on_bad, "error", "MemoryError"),
+])
+def test_hang_crash_and_memory_fail_the_batch_and_the_pool_is_repaired(runner, caplog, func, kind, message):
+    # memory: a generous timeout, so it is the 384 MiB cap (not the clock) that stops the hog
+    r = runner(func, failure_reward=-1.0, **({"timeout": 20.0, "memory_mb": 384} if kind == "error" else {}))
+    r.score(ROWS, GOOD)
+    first_pid = r.pool.pids()[0]
+    started = time.monotonic()
+    scores = r.score(ROWS, MIXED)
+    elapsed = time.monotonic() - started
+    assert scores.total == [-1.0] * 4  # the whole batch was lost with its call
+    assert (scores.timeouts, scores.errors) == ((4, 0) if kind == "timeout" else (0, 4))
+    assert elapsed < 10, f"took {elapsed:.1f}s"
+    assert first_pid not in r.pool.pids()  # the hung/dead/recycled worker is gone ...
+    assert r.pool.replaced == 1
+    assert r.score(ROWS, GOOD).total == [1.0, 2.0, 3.0, 4.0]  # ... and a new one scores the next batch
+    assert [m for m in warnings_of(caplog) if func.__name__ in m and message in m], warnings_of(caplog)
+
+
+def test_timeout_is_measured_per_call(runner):
+    r = runner(R.hangs_on_bad, timeout=0.5)
+    started = time.monotonic()
+    assert r.score(ROWS, MIXED).timeouts == 4
+    assert 0.5 <= time.monotonic() - started < 5
+
+
+def test_memory_cap_is_configurable_and_zero_disables_it():
+    pool = WorkerPool(1, memory_mb=256)
+    try:
+        (outcome,) = pool.run([(FuncRef("sandbox_rewards", "hogs_memory_on_bad"), ([], ["BAD"]), {})], timeout=10)
+        assert outcome.kind == "error" and "MemoryError" in outcome.message
+        (limit,) = pool.run([(FuncRef("resource", "getrlimit"), (__import__("resource").RLIMIT_AS,), {})], timeout=10)
+        assert limit.value == (256 * 1024 * 1024,) * 2
+    finally:
+        pool.close()
+    pool = WorkerPool(1, memory_mb=0)
+    try:
+        (limit,) = pool.run([(FuncRef("resource", "getrlimit"), (__import__("resource").RLIMIT_AS,), {})], timeout=10)
+        assert limit.value[0] == __import__("resource").RLIM_INFINITY
+    finally:
+        pool.close()
+
+
+def test_wrong_length_batch_is_retried_sample_by_sample(runner, caplog):
+    r = runner(R.wrong_length)
+    scores = r.score(ROWS, GOOD)
+    assert scores.total == [1.0] * 4 and scores.errors == 0  # each single-sample call returned 1 value
+    assert any("returned 1 values for 4 completions" in m for m in warnings_of(caplog))
+
+
+# ---------------------------------------------------------------------- None / NaN / weights
+def test_none_is_left_out_and_all_none_gives_the_failure_reward(runner):
+    r = runner(R.nan_and_none, failure_reward=-3.0)
+    scores = r.score(ROWS, ["abcd", "SKIP", "ab", "SKIP"])
+    assert scores.total == [4.0, None, 2.0, None]
+    assert scores.mean() == 3.0 and scores.failures == 0  # mean over the scored samples only
+    all_none = r.score(ROWS, ["SKIP"] * 4)
+    assert all_none.total == [None] * 4 and all_none.mean() == -3.0  # no score at all: failure reward
+    nan = r.score(ROWS, ["BAD", "SKIP", "ab", "BAD"])
+    assert nan.total == [-3.0, None, 2.0, -3.0] and nan.errors == 2  # NaN is a failure, never averaged in
+
+
+def test_functions_are_combined_with_weights_and_reported_each():
+    scores = score([R.length_reward, R.nan_and_none], ROWS, ["abcd", "SKIP", "BAD", "x"], weights=[1.0, 0.5],
+                   failure_reward=-10.0)
+    assert scores.per_function["length_reward"] == [4.0, 4.0, 3.0, 1.0]
+    assert scores.per_function["nan_and_none"] == [4.0, None, -10.0, 1.0]
+    assert scores.total == [4.0 + 2.0, 4.0, 3.0 - 5.0, 1.0 + 0.5]  # None leaves that function out of the sum
+    assert scores.errors == 1
+
+
+# ------------------------------------------------------------------- where functions run
+def test_user_functions_run_in_workers_and_trusted_or_unsendable_ones_in_process(runner, caplog):
+    assert runner(R.pid_reward).score(ROWS[:1], ["x"]).total[0] != os.getpid()
+    assert runner(R.pid_reward, sandbox=False).score(ROWS[:1], ["x"]).total[0] == os.getpid()
+    assert func_ref(countdown_reward) is not None
+    assert runner(countdown_reward).refs == [None]  # trusted built-in: in-process, no sandbox overhead
+    closure_calls = []
+
+    def closure(prompts, completions, **kwargs):
+        closure_calls.append(len(completions))
+        return [1.0] * len(completions)
+
+    r = runner(closure)
+    assert r.refs == [None] and r.score(ROWS, GOOD).total == [1.0] * 4 and closure_calls == [4]
+    assert any("closure" in m and "runs in-process" in m for m in warnings_of(caplog))
+
+
+def test_functions_of_a_main_script_and_of_a_file_load_in_workers(tmp_path):
+    """`python script.py` puts reward functions in __main__; workers load the file, never re-run main."""
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import os\n"
+        "from esft.rewards import RewardRunner\n"
+        "def main_reward(prompts, completions, **kwargs):\n"
+        "    return [float(os.getpid())] * len(completions)\n"
+        "if __name__ == '__main__':\n"
+        "    runner = RewardRunner([main_reward], timeout=20)\n"
+        "    value = runner.score([{'prompt': 'p'}], ['c']).total[0]\n"
+        "    print(value != os.getpid(), runner.refs[0].module, runner.pool.replaced)\n"
+        "    runner.close()\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "__main__", "0"]
+
+
+# ------------------------------------------------------------------------ overhead
+def test_sandbox_overhead_per_sample_is_small(runner):
+    """A batch of 64 fast completions costs well under a millisecond per sample in the sandbox."""
+    rows, completions = [{"prompt": "p", "answer": "a"}] * 64, ["some completion"] * 64
+    r = runner(R.length_reward)
+    r.score(rows, completions)  # worker start-up is paid once
+    started = time.perf_counter()
+    for _ in range(20):
+        r.score(rows, completions)
+    per_sample = (time.perf_counter() - started) / (20 * 64)
+    assert per_sample < 1e-3, f"{per_sample * 1e6:.0f} µs per sample"
+
+
+# ---------------------------------------------------------------- a run that continues
+def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["CRASH me", "HANG me", "a", "b"]))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "c", "answer": "1"}) + "\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(data),
+         "--eval-data", str(tmp_path / "eval.jsonl"), "--reward-funcs", f"{TESTS / 'sandbox_rewards.py'}:misbehaves_on_prompt",
+         "--population-size", "2", "--batch-size", "1", "--iterations", "4", "--max-tokens", "3", "--reward-timeout", "1",
+         "--failure-reward", "-5", "--logging", "none", "--no-progress", "--save-every", "0", "--output-dir",
+         str(tmp_path), "--run-name", "run"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1, 2, 3, 4]
+    training = rows[1:]
+    # each row is used once (batch 1, 4 rows, 4 iterations); 2 members score it
+    assert sorted(row["reward/errors"] for row in training) == [0, 0, 0, 2]
+    assert sorted(row["reward/timeouts"] for row in training) == [0, 0, 0, 2]
+    assert sorted(row["reward/mean"] for row in training)[:2] == [-5.0, -5.0]
+    assert rows[-1]["eval/eval/reward"] == 3.0  # the eval row scores normally: len("c") + 2
+    assert proc.stderr.count("misbehaves_on_prompt: worker process exited with code 1") == 1
+    assert proc.stderr.count("misbehaves_on_prompt: no result within 1 s") == 1
