@@ -11,7 +11,7 @@ from typing import Any
 
 EMBEDDED_MODEL = "embedded"
 CHOICES = {
-    "noise": ("iid", "correlated"),
+    "noise": ("iid", "correlated", "lowrank"),
     "reward_shaping": ("zscore", "rank", "raw"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),
@@ -96,7 +96,7 @@ class ESConfig:
         "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper). Default: σ/2.",
         default=None,
     )
-    iterations: int = _doc("ES iterations (updates); 0 = evaluate only.", default=40)
+    iterations: int = _doc("ES iterations (updates); 0 = evaluate only.", default=20)
     batch_size: int = _doc("Prompts per iteration, the same batch for every member.", default=32)
     mini_batch_size: int | None = _doc(
         "Prompts per generate call (memory only: results are identical). Default: the whole batch.",
@@ -120,9 +120,17 @@ class ESConfig:
         default=None,
     )
     noise: str = _doc(
-        "Noise scheme: iid (tensor k seeded from member seed + k) or correlated (every tensor "
-        "seeded alike, the paper's original scheme).",
+        "Noise scheme: iid (tensor k seeded from member seed + k), correlated (every tensor "
+        "seeded alike, the paper's original scheme) or lowrank (EGGROLL-style: each matrix gets "
+        "A·Bᵀ/√r of rank --rank, A and B seeded as iid; norms and biases stay frozen).",
         default="iid",
+    )
+    rank: int = _doc("Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", default=1)
+    population_batching: bool = _doc(
+        "Evaluate all members in one batched generate call: the unperturbed weights' matmuls are shared "
+        "and each member's low-rank term is added to its rows (needs --noise lowrank, the transformers "
+        "engine and the local executor). Same completions as one member at a time, faster.",
+        default=False,
     )
     reward_shaping: str = _doc(
         "Fitness shaping of member rewards: zscore (paper), rank (centered ranks) or raw. "
@@ -165,9 +173,9 @@ class ESConfig:
         default=None,
     )
     vllm_cpu_gemm: str = _doc(
-        "vLLM on CPU only: repack (pack linear weights again for oneDNN after each weight change) "
-        "or plain (torch linear on the live weights). Results are the same; see benchmarks/RESULTS.md.",
-        default="repack",
+        "vLLM on CPU only: plain (torch linear on the live weights) or repack (pack linear weights "
+        "again for oneDNN after each weight change). Same results; speed: benchmarks/RESULTS.md.",
+        default="plain",
     )
     executor: str = _doc(
         "Where members are evaluated: local (this process, one engine) or ray (--workers Ray actors, "
@@ -213,6 +221,7 @@ class ESConfig:
             "eval_samples": 1,
             "reward_workers": 1,
             "reward_memory_mb": 0,
+            "rank": 1,
         }
         for name, low in minimum.items():
             if getattr(self, name) < low:
@@ -233,6 +242,14 @@ class ESConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if self.noise == "lowrank" and self.engine != "transformers":
+            raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {self.engine})")
+        if self.population_batching:
+            if self.noise != "lowrank":
+                raise ConfigError("population_batching", f"needs --noise lowrank (got --noise {self.noise}): full-rank "
+                                  "members cannot share one set of weights")
+            if self.engine != "transformers" or self.executor != "local":
+                raise ConfigError("population_batching", "needs --engine transformers and --executor local")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.trainable is not None:
