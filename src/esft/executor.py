@@ -4,6 +4,7 @@ a time). Every executor answers the same three calls, so the trainer never knows
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,25 +26,44 @@ class MemberResult:
 
 
 class LocalExecutor:
-    """Evaluates members one after another on a single in-process engine."""
+    """Evaluates members on a single in-process engine: one after another, or all in one batched
+    generate call (`population_batching`, low-rank noise: esft.engines.population)."""
 
-    def __init__(self, engine, scorer: Scorer, sigma: float):
+    def __init__(self, engine, scorer: Scorer, sigma: float, population_batching: bool = False,
+                 overlap_rewards: bool = True):
         self.engine = engine
         self.scorer = scorer
         self.sigma = sigma
+        self.population_batching = population_batching
+        self.overlap_rewards = overlap_rewards
+        """Sequential path: score member i in a background thread while member i+1 generates (torch
+        kernels release the GIL; sandboxed reward functions run in other processes)."""
 
     def evaluate_population(self, member_seeds: Sequence[int], rows: Sequence[dict[str, Any]]) -> list[MemberResult]:
         """Perturb → generate → restore → score, for each member, on the same prompt batch."""
         prompts = [row["prompt"] for row in rows]
         results = []
-        for seed in member_seeds:
-            self.engine.perturb(seed, self.sigma)
-            try:
-                generation = self.engine.generate(prompts)
-            finally:
-                self.engine.restore()
-            scores = self.scorer(rows, generation.texts)
-            results.append(MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens)))
+        if self.population_batching:
+            from esft.engines.population import generate_population
+
+            for seed, generation in zip(member_seeds, generate_population(self.engine, prompts, member_seeds, self.sigma)):
+                scores = self.scorer(rows, generation.texts)
+                results.append(MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens)))
+            return results
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
+            pending = []
+            for seed in member_seeds:
+                self.engine.perturb(seed, self.sigma)
+                try:
+                    generation = self.engine.generate(prompts)
+                finally:
+                    self.engine.restore()
+                pending.append((seed, generation, pool.submit(self.scorer, rows, generation.texts)))
+                if not self.overlap_rewards:
+                    pending[-1][2].result()
+            for seed, generation, future in pending:
+                scores = future.result()
+                results.append(MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens)))
         return results
 
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:

@@ -34,7 +34,7 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None):
             raise ConfigError("engine", f"{args.engine} loads the model itself: pass a model name or directory, not a loaded model")
         if tokenizer is None:
             raise TaskError("pass processing_class (the tokenizer) with a loaded model")
-        return TransformersEngine(model, tokenizer, **options)
+        return TransformersEngine(model, tokenizer, rank=args.rank, **options)
     path = model_path(args, model)
     try:
         if args.engine == "vllm":
@@ -49,7 +49,7 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None):
                 gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                 cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, **options,
             )
-        return TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, **options)
+        return TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options)
     except NoTrainableParameters as error:
         raise ConfigError("trainable", str(error)) from None
     except (OSError, ValueError) as error:
@@ -71,4 +71,12 @@ def build_executor(args: ESConfig, task, scorer, engine_builder, model: Any = No
         return RayExecutor(args, task, model)
     from esft.executor import LocalExecutor
 
-    return LocalExecutor(engine_builder(), scorer, args.sigma)
+    engine = engine_builder()
+    if args.population_batching:  # refuse a model the batched path would mis-evaluate, before training
+        from esft.engines.population import PopulationBatchingError, check_population_batching
+
+        try:
+            check_population_batching(engine)
+        except PopulationBatchingError as error:
+            raise ConfigError("population_batching", str(error)) from None
+    return LocalExecutor(engine, scorer, args.sigma, population_batching=args.population_batching)

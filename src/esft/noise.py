@@ -1,8 +1,18 @@
 """Noise schemes: which generator seed tensor k of member i uses. The noise itself is never stored;
-it is regenerated from (member seed, tensor index) wherever it is needed."""
+it is regenerated from (member seed, tensor index) wherever it is needed.
+
+Low-rank noise (`lowrank`, EGGROLL-style): a matrix W (shape[0] × shape[1]) of member i receives
+ε = A·Bᵀ/√r, with A (shape[0] × r) then B (shape[1] × r) drawn standard normal from the generator
+seeded like `iid` (member seed + tensor index); each entry of ε then has unit variance, as with
+`iid`, so σ means the same. Tensors that are not matrices (norm weights, biases) get no noise under
+`lowrank`: they stay frozen. Embedding matrices are matrices: a tied embedding / LM head gets the
+same A·Bᵀ in both uses. Population batching (esft.engines.population) applies these same factors
+in the forward pass instead of to the weights.
+"""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -13,7 +23,34 @@ NOISE_SCHEMES: dict[str, Callable[[int, int], int]] = {
     "iid": lambda member_seed, tensor_index: member_seed + tensor_index,
     # the paper's original scheme: every tensor seeded alike, so same-shaped tensors get equal noise.
     "correlated": lambda member_seed, tensor_index: member_seed,
+    # low-rank A·Bᵀ/√r per matrix (module docstring); factors seeded as iid.
+    "lowrank": lambda member_seed, tensor_index: member_seed + tensor_index,
 }
+LOW_RANK_SCHEMES = frozenset({"lowrank"})
+
+
+def perturbs(scheme: str, shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether `scheme` gives a tensor of this shape any noise (low-rank: matrices only)."""
+    return scheme not in LOW_RANK_SCHEMES or len(shape) == 2
+
+
+def lowrank_factors(
+    member_seed: int,
+    tensor_index: int,
+    shape: torch.Size | tuple[int, ...],
+    rank: int,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 factors (A: shape[0] × rank, B: shape[1] × rank) of a matrix's low-rank noise
+    A·Bᵀ/√rank for one member."""
+    device = torch.device(device)
+    if generator is None:
+        generator = torch.Generator(device=device)
+    generator.manual_seed(NOISE_SCHEMES["lowrank"](member_seed, tensor_index))
+    a = torch.randn((shape[0], rank), generator=generator, dtype=torch.float32, device=device)
+    b = torch.randn((shape[1], rank), generator=generator, dtype=torch.float32, device=device)
+    return a, b
 
 
 def draw_noise(
@@ -24,15 +61,22 @@ def draw_noise(
     device: torch.device | str = "cpu",
     generator: torch.Generator | None = None,
     out: torch.Tensor | None = None,
+    rank: int = 1,
 ) -> torch.Tensor:
     """Standard normal float32 noise for one tensor of one member.
 
     Drawn in float32 on `device` (streams differ between CPU and CUDA generators, so results are
-    reproducible per device type). Pass `generator`/`out` to reuse them in hot loops.
+    reproducible per device type). Pass `generator`/`out` to reuse them in hot loops. Low-rank
+    schemes return the dense A·Bᵀ/√rank (zeros for tensors they leave frozen).
     """
     device = torch.device(device)
     if generator is None:
         generator = torch.Generator(device=device)
+    if scheme in LOW_RANK_SCHEMES:
+        if not perturbs(scheme, shape):
+            return torch.zeros(shape, dtype=torch.float32, device=device) if out is None else out.zero_()
+        a, b = lowrank_factors(member_seed, tensor_index, shape, rank, device, generator)
+        return torch.mm(a, b.T, out=out).mul_(1.0 / math.sqrt(rank))
     generator.manual_seed(NOISE_SCHEMES[scheme](member_seed, tensor_index))
     if out is None:
         return torch.randn(shape, generator=generator, dtype=torch.float32, device=device)

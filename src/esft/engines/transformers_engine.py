@@ -16,7 +16,8 @@ from pathlib import Path
 
 import torch
 
-from esft.noise import draw_noise
+from esft import lowrank
+from esft.noise import LOW_RANK_SCHEMES, draw_noise
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,10 +72,13 @@ class TransformersEngine:
         noise: str = "iid",
         max_tokens: int = 64,
         mini_batch_size: int | None = None,
+        rank: int = 1,
     ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
         self.noise = noise
+        self.rank = rank
+        """Rank r of low-rank noise (--noise lowrank: matrices get σ·A·Bᵀ/√r, other tensors stay frozen)."""
         self.max_tokens = max_tokens
         self.mini_batch_size = mini_batch_size
         self.device = next(model.parameters()).device
@@ -92,7 +96,10 @@ class TransformersEngine:
                 f"{trainable!r} matches no parameter of the model; names look like {next(iter(dict(model.named_parameters())))!r}"
             )
         self.master = {name: param.detach().to(torch.float32).clone() for _, name, param in self.trainable}
-        self._scratch = {name: torch.empty_like(m) for name, m in self.master.items()}
+        # Noise scratch: views of ONE float32 buffer the size of the largest tensor (tensors are
+        # perturbed one at a time), not a second float32 copy of every trainable tensor.
+        flat = torch.empty(max(m.numel() for m in self.master.values()), dtype=torch.float32, device=self.device)
+        self._scratch = {name: flat[: m.numel()].view(m.shape) for name, m in self.master.items()}
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self._prepare_tokenizer_and_generation()
 
@@ -144,10 +151,20 @@ class TransformersEngine:
     @torch.no_grad()
     def perturb(self, member_seed: int, sigma: float) -> None:
         """θ ← master + σ·ε(member_seed), tensor by tensor, in the model dtype."""
+        low_rank = self.noise in LOW_RANK_SCHEMES
         for index, name, param in self.trainable:
-            noise = draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, self._scratch[name])
-            noise.mul_(sigma).add_(self.master[name])
-            param.copy_(noise)
+            # one fused pass into the weight itself when it is float32, else via scratch and a copy
+            direct = param.dtype == torch.float32
+            out = param if direct else self._scratch[name]
+            if low_rank:
+                if param.dim() != 2:
+                    continue  # non-matrix tensors stay frozen under low-rank noise
+                lowrank.perturbed_matrix(self.master[name], member_seed, index, sigma, self.rank, self._generator, out)
+            else:
+                noise = draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, self._scratch[name])
+                torch.add(self.master[name], noise, alpha=sigma, out=out)
+            if not direct:
+                param.copy_(out)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -160,9 +177,15 @@ class TransformersEngine:
         """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master.
 
         Per tensor the noise of every member is regenerated and accumulated before one add, as in
-        the reference; nothing of the population's noise is ever held at once.
+        the reference; nothing of the population's noise is ever held at once. Low-rank noise: one
+        matmul of the members' concatenated factors per matrix (esft.lowrank.accumulate_update).
         """
         for index, name, param in self.trainable:
+            if self.noise in LOW_RANK_SCHEMES:
+                if param.dim() == 2:
+                    lowrank.accumulate_update(self.master[name], index, member_seeds, coefficients, self.rank, self._generator)
+                    param.copy_(self.master[name])
+                continue
             total = torch.zeros_like(self.master[name])
             noise = self._scratch[name]
             for member_seed, coefficient in zip(member_seeds, coefficients, strict=True):

@@ -1,0 +1,539 @@
+"""ES throughput against its physical limit, side by side in one run (issue 5).
+
+On ONE transformers engine (same model, prompts and token counts) it measures, per round:
+  1. limit: unperturbed batched greedy generation of all population × batch prompts (tokens/s);
+  2. one ES iteration's evaluation phase (noise, perturb, generate, restore for every member);
+  3. the full iteration (2 + reward scoring + fitness shaping + update);
+for each requested path:
+  before-iid       the engine and executor code before issue 5 (git --before-ref), i.i.d. noise
+  seq-iid          one member at a time, i.i.d. full-rank Gaussian noise (the paper's scheme, fixed)
+  seq-lowrank      one member at a time, low-rank noise (weights = master + σ·A·Bᵀ/√r)
+  batched-lowrank  --population-batching: all members in one generate call, low-rank forward hooks
+  PATH+overlap     the sequential PATH scoring member i while member i+1 generates (only the full
+                   iteration, 3, is meaningful then; the others wait for each member's scores)
+and prints the ratio 2/1 and 3/1 and a time breakdown (noise, perturb, generate, restore, reward,
+update), on two clocks (wall, and this process's CPU time: with --threads 1 the latter is barely
+disturbed by other jobs on a shared machine), then peak resident memory (RSS sampled every 2 ms) of
+the limit and of each path, each in a fresh process, against weights + float32 master + KV cache.
+
+Completion lengths are forced equal on every side (benchmark-only: min_new_tokens = max_new_tokens,
+so EOS never ends a row early): tokens = population × batch × max_tokens everywhere. Rounds alternate
+the measurements, so a load spike from other jobs hits all of them alike; the median round is shown.
+
+    python benchmarks/throughput.py --model embedded            # demo: N=30, batch 32, 64 tokens
+    python benchmarks/throughput.py --model 30m --batched-mini-batch-size 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+STAND_IN = Path("/tmp/fmt/f1/s300r")  # the embedded model's stand-in, while the asset does not exist
+
+
+# ------------------------------------------------------------------- memory
+class RSSSampler:
+    """Peak resident memory per labelled phase, from /proc/self/statm sampled in a thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.interval = interval
+        self.label = "idle"
+        self.peaks: dict[str, int] = defaultdict(int)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            value = self.rss()
+            if value > self.peaks[self.label]:
+                self.peaks[self.label] = value
+            time.sleep(self.interval)
+
+    def phase(self, label: str) -> None:
+        self.peaks[self.label] = max(self.peaks[self.label], self.rss())
+        self.label = label
+        self.peaks[label] = max(self.peaks[label], self.rss())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+MB = 2**20
+
+
+# -------------------------------------------------------------------- model
+def build_model(name: str, tmp: Path):
+    """(model, tokenizer, description) for 'embedded', '30m' or a model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from esft.trainer import embedded_model_path
+
+    if name in ("embedded", "30m"):
+        path = embedded_model_path()
+        if not (path / "config.json").exists():
+            path = STAND_IN if (STAND_IN / "config.json").exists() else None
+        if path is None:  # neither the asset nor its stand-in: the same architecture, random weights
+            from tiny_model import build_tiny_model
+
+            path = build_tiny_model(tmp / "tiny", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=4)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if name == "embedded":
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, str(path)
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=9,
+            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        )
+        return LlamaForCausalLM(config).eval(), tokenizer, f"Llama from config (hidden 512, 9 layers, MLP 1536), tokenizer of {path}"
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), AutoTokenizer.from_pretrained(name), name
+
+
+def kv_cache_bytes(model, rows: int, length: int) -> int:
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return rows * config.num_hidden_layers * 2 * heads * head_dim * length * next(model.parameters()).element_size()
+
+
+# ------------------------------------------------------------ instrumentation
+class Timings:
+    """Seconds per phase on two clocks: wall (perf_counter) and this process's CPU (process_time).
+    With one torch thread the CPU clock counts only our own work, so it is barely disturbed by other
+    jobs on a shared machine; the wall clock is what a user waits."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+
+    def clear(self) -> None:
+        self.wall.clear()
+        self.cpu.clear()
+
+
+def now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def load_before(ref: str):
+    """The engine and executor modules as of git `ref` (the code before issue 5), for the 'before-iid'
+    path: their perturb/restore/update/evaluate_population run on the same engine object."""
+    import importlib.util
+    import subprocess
+
+    modules = {}
+    for key, path in (("engine", "src/esft/engines/transformers_engine.py"), ("executor", "src/esft/executor.py")):
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{path}"], check=True, capture_output=True,
+                                text=True).stdout
+        spec = importlib.util.spec_from_loader(f"esft_before_{key}", loader=None)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        exec(compile(source, f"{ref}:{path}", "exec"), module.__dict__)
+        modules[key] = module
+    return modules
+
+
+class Instrumented:
+    """Binds a path's implementation to the engine and executor, every phase timed (noise time is
+    taken out of the phase that drew it)."""
+
+    def __init__(self, engine, executor, timings: Timings, before=None):
+        import esft.engines.transformers_engine as te
+        import esft.lowrank as lowrank
+
+        self.engine, self.executor, self.timings, self.before = engine, executor, timings, before
+        noise_modules = [(te, "draw_noise"), (lowrank, "lowrank_factors")]
+        if before is not None:
+            noise_modules.append((before["engine"], "draw_noise"))
+        for module, name in noise_modules:
+            setattr(module, name, self.timed("noise", getattr(module, name)))
+        engine.model.generate = self.timed("generate", engine.model.generate)
+        executor.scorer = self.timed("reward", executor.scorer)
+        self.current = {name: getattr(engine, name) for name in ("perturb", "restore", "update")}
+        self.current_evaluate = executor.evaluate_population
+        from esft.engines import population
+
+        cls = population.LowRankPopulation
+        cls.__init__ = self.timed("perturb", cls.__init__, exclude_noise=True)  # stacking the members' factors
+        cls.install = self.timed("perturb", cls.install)
+        cls.remove = self.timed("restore", cls.remove)
+
+    def timed(self, label, func, exclude_noise=False):
+        timings = self.timings
+
+        def wrapper(*args, **kwargs):
+            noise_before = timings.wall["noise"], timings.cpu["noise"]
+            started = now()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                ended = now()
+                for clock, book in enumerate((timings.wall, timings.cpu)):
+                    spent = ended[clock] - started[clock]
+                    book[label] += spent - (book["noise"] - noise_before[clock] if exclude_noise else 0.0)
+
+        return wrapper
+
+    def bind(self, path: str) -> None:
+        import functools
+
+        engine, executor = self.engine, self.executor
+        if path.startswith("before"):
+            old_engine, old_executor = self.before["engine"].TransformersEngine, self.before["executor"].LocalExecutor
+            methods = {name: functools.partial(getattr(old_engine, name), engine) for name in self.current}
+            executor.evaluate_population = functools.partial(old_executor.evaluate_population, executor)
+        else:
+            methods = self.current
+            executor.evaluate_population = self.current_evaluate
+        for name, method in methods.items():
+            setattr(engine, name, self.timed(name, method, exclude_noise=name in ("perturb", "update")))
+
+
+# --------------------------------------------------------------------- setup
+PHASES = ("noise", "perturb", "generate", "restore", "reward", "update", "other")
+
+
+class Bench:
+    """Model, engine, executor, prompts and the path switch: everything a measurement needs."""
+
+    def __init__(self, args, sampler: RSSSampler):
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        from transformers import LlamaForCausalLM  # noqa: F401  (import cost belongs to the libraries)
+
+        import esft.engines.transformers_engine as te
+        from esft.executor import LocalExecutor
+        from esft.rewards import RewardRunner
+        from esft.tasks.countdown_task import make_countdown_task
+        from esft.trainer import prompt_batch
+
+        self.args = args
+        self.rss_libraries = sampler.rss()
+        model, tokenizer, self.description = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-bench-")))
+        self.model = model
+        self.engine = engine = te.TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens)
+        if not args.natural_lengths:
+            engine.greedy.min_new_tokens = args.max_tokens  # benchmark only: every completion is max_tokens long
+        task = make_countdown_task(seed=0, difficulty="easy")
+        if args.reward_cost_ms:  # an expensive user reward: sandboxed, burning CPU in its worker process
+            os.environ["ESFT_BENCH_REWARD_COST_MS"] = str(args.reward_cost_ms)
+            self.rewards = RewardRunner([slow_countdown_reward], sandbox=True, workers=1)
+        else:
+            self.rewards = RewardRunner(task.reward_funcs, task.reward_weights, sandbox=False)
+        self.rows = prompt_batch(task.train_dataset, 0, args.batch, 0)
+        self.prompts = [row["prompt"] for row in self.rows]
+        self.all_prompts = self.prompts * args.population  # member-major, as the batched path lays out its rows
+        self.seq_size = args.seq_mini_batch_size or args.batch
+        self.batched_size = args.batched_mini_batch_size or args.batch
+        self.prompt_length = engine._encode(self.prompts)["input_ids"].shape[1]
+        engine._encode(self.all_prompts)  # tokenize outside the timed region, as the ES paths do once per iteration
+        self.tokens = args.population * args.batch * args.max_tokens
+        params = list({id(p): p for p in model.parameters()}.values())
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in params)
+        self.master_bytes = sum(m.numel() * m.element_size() for m in engine.master.values())
+        self.n_params = sum(p.numel() for p in params)
+        engine.generate(self.prompts[:1])  # warm-up (lazy kernels, thread pools)
+        self.rewards.score(self.rows, [""] * len(self.rows))  # warm-up (sandbox workers start)
+        self.rss_ready = sampler.rss()
+        self.executor = LocalExecutor(engine, self.rewards.score, args.sigma)
+        self.timings = Timings()
+        before = load_before(args.before_ref) if any(p.startswith("before") for p in args.paths.split(",")) else None
+        self.instrumented = Instrumented(engine, self.executor, self.timings, before)
+
+    def rows_per_call(self, label: str) -> int:
+        if label.startswith("limit@"):
+            return int(label.split("@")[1])
+        return self.args.population * self.batched_size if label.startswith("batched") else self.seq_size
+
+    def kv_bytes(self, rows: int) -> int:
+        return kv_cache_bytes(self.model, rows, self.prompt_length + self.args.max_tokens)
+
+    def configure(self, path: str) -> None:
+        engine, executor = self.engine, self.executor
+        self.instrumented.bind(path)
+        engine.noise = path.split("-")[1].split("+")[0]
+        engine.rank = self.args.rank
+        executor.population_batching = path.startswith("batched")
+        # scoring waits for each member (clean attribution) unless the path says "+overlap"
+        executor.overlap_rewards = path.endswith("+overlap")
+        engine.mini_batch_size = self.batched_size if executor.population_batching else self.seq_size
+        if executor.population_batching:
+            from esft.engines.population import check_population_batching
+
+            check_population_batching(engine)  # once per engine, as the factory does before training
+
+    def limit(self, rows_per_call: int) -> dict:
+        started = now()
+        generation = self.engine.generate(self.all_prompts, mini_batch_size=rows_per_call)
+        ended = now()
+        count = sum(generation.num_tokens)
+        assert self.args.natural_lengths or count == self.tokens, (count, self.tokens)
+        return {"wall": ended[0] - started[0], "cpu": ended[1] - started[1], "tokens": count}
+
+    def iteration(self, path: str, iteration: int) -> dict:
+        import numpy as np
+
+        from esft import strategy
+
+        self.configure(path)
+        self.timings.clear()
+        state = strategy.ESState(0, iteration)
+        started = now()
+        seeds = strategy.ask(state, self.args.population)
+        members = self.executor.evaluate_population(seeds, self.rows)
+        evaluated = now()
+        _, coefficients = strategy.tell(state, [m.reward for m in members], self.args.sigma / 2)
+        self.executor.update(seeds, coefficients)
+        finished = now()
+        count = sum(m.num_tokens for m in members)
+        assert self.args.natural_lengths or count == self.tokens, (count, self.tokens)
+        record = {"mean_reward": float(np.mean([m.reward for m in members])), "tokens": count}
+        for clock, name, book in ((0, "wall", self.timings.wall), (1, "cpu", self.timings.cpu)):
+            breakdown = {k: book.get(k, 0.0) for k in PHASES[:-1]}
+            total = finished[clock] - started[clock]
+            breakdown["other"] = total - sum(breakdown.values())  # decoding, shaping, bookkeeping
+            record[name] = {"evaluation": evaluated[clock] - started[clock] - breakdown["reward"],
+                            "iteration": total, "breakdown": breakdown}
+        return record
+
+
+# ------------------------------------------------------------------- memory
+def memory_probe(args) -> None:
+    """In a fresh process: one measurement (`limit@ROWS` or a path), RSS before and at its peak."""
+    sampler = RSSSampler(0.002)
+    bench = Bench(args, sampler)
+    label = args.memory_probe
+    sampler.phase(label)
+    bench.limit(bench.rows_per_call(label)) if label.startswith("limit@") else bench.iteration(label, 0)
+    sampler.phase("idle")
+    sampler.stop()
+    print(json.dumps({"label": label, "rows": bench.rows_per_call(label), "rss_libraries": bench.rss_libraries,
+                      "rss_ready": bench.rss_ready, "peak": sampler.peaks[label], "weights": bench.weights_bytes,
+                      "master": bench.master_bytes, "kv": bench.kv_bytes(bench.rows_per_call(label))}))
+
+
+def memory_report(args, labels: list[str]) -> dict:
+    """Each label in its own process (a process's heap keeps what earlier phases freed)."""
+    import subprocess
+
+    forwarded = []
+    for name in ("model", "population", "batch", "max_tokens", "seq_mini_batch_size", "batched_mini_batch_size",
+                 "rank", "sigma", "threads", "paths", "before_ref", "reward_cost_ms"):
+        value = getattr(args, name)
+        if value is not None:
+            forwarded += [f"--{name.replace('_', '-')}", str(value)]
+    forwarded += ["--natural-lengths"] if args.natural_lengths else []
+    probes = {}
+    for label in labels:
+        result = subprocess.run([sys.executable, __file__, *forwarded, "--memory-probe", label],
+                                capture_output=True, text=True, check=True)
+        probes[label] = json.loads(result.stdout.strip().splitlines()[-1])
+    print("\nmemory, each measurement in a fresh process (RSS; 'runtime' = RSS once loaded and warmed up, minus "
+          "weights and master; budget = runtime + 1.1 × (weights + float32 master + KV cache)):")
+    for label, p in probes.items():
+        runtime = p["rss_ready"] - p["weights"] - p["master"]
+        budget = runtime + 1.1 * (p["weights"] + p["master"] + p["kv"])
+        print(f"  {label:<16} {p['rows']:>4} rows/call: peak {p['peak'] / MB:6.0f} MiB = runtime {runtime / MB:.0f} + "
+              f"{(p['peak'] - runtime) / MB:.0f} MiB; budget {budget / MB:.0f} MiB (weights {p['weights'] / MB:.1f}, "
+              f"master {p['master'] / MB:.1f}, KV {p['kv'] / MB:.0f}); {'within' if p['peak'] <= budget else 'OVER'}")
+    return probes
+
+
+# --------------------------------------------------------------------- main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="embedded", help="embedded, 30m, or a model directory")
+    parser.add_argument("--population", type=int, default=30)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--seq-mini-batch-size", type=int, default=None,
+                        help="prompts per generate call of the sequential paths (default: the whole batch)")
+    parser.add_argument("--batched-mini-batch-size", type=int, default=None,
+                        help="prompts per generate call of the batched path, × population rows (default: the whole batch)")
+    parser.add_argument("--limit-rows", default=None,
+                        help="comma-separated rows per generate call for the limit; the best is the limit "
+                             "(default: the rows per call of the sequential and of the batched path)")
+    parser.add_argument("--paths", default="before-iid,seq-iid,seq-lowrank,batched-lowrank")
+    parser.add_argument("--before-ref", default="ddc9efc", help="git commit whose engine/executor 'before-iid' runs")
+    parser.add_argument("--rank", type=int, default=1)
+    parser.add_argument("--reward-cost-ms", type=float, default=0.0,
+                        help="simulate an expensive user reward: sandboxed, burning this many ms of CPU per member")
+    parser.add_argument("--sigma", type=float, default=1e-3)
+    parser.add_argument("--rounds", type=int, default=3, help="0: only the memory measurements")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--memory", default="limit,seq-iid,batched-lowrank",
+                        help="what to measure memory of, each in a fresh process ('limit' = at the batched path's "
+                             "rows per call); empty: skip")
+    parser.add_argument("--memory-probe", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--natural-lengths", action="store_true",
+                        help="let completions end at EOS (realistic seconds per iteration; token counts then "
+                             "differ slightly between paths, and tokens/s are each path's own)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after the rounds, profile (torch.profiler) the limit at ROWS rows per call and one "
+                             "iteration of each path; print the top operators by self CPU time")
+    args = parser.parse_args()
+    if args.memory_probe:
+        memory_probe(args)
+        return
+
+    if args.rounds == 0:  # memory only
+        batched_size = args.batched_mini_batch_size or args.batch
+        memory_report(args, [f"limit@{args.population * batched_size}" if m == "limit" else m
+                             for m in args.memory.split(",") if m])
+        return
+    sampler = RSSSampler()
+    import torch
+
+    bench = Bench(args, sampler)
+    paths = []
+    for path in (p for p in args.paths.split(",") if p):
+        if "lowrank" in path and not _has_lowrank():
+            print(f"skipping {path}: this esft has no lowrank noise", file=sys.stderr)
+            continue
+        paths.append(path)
+    limit_rows = sorted({int(r) for r in args.limit_rows.split(",")} if args.limit_rows
+                        else {bench.seq_size, args.population * bench.batched_size})
+    tokens = bench.tokens
+    results: dict[str, list[dict]] = defaultdict(list)
+    for round_index in range(args.rounds):
+        for count in limit_rows:  # 1. the limit, at every rows-per-call setting
+            results[f"limit@{count}"].append(bench.limit(count))
+        for path in paths:  # 2 + 3. one ES iteration per path
+            results[path].append(bench.iteration(path, round_index))
+        print(f"round {round_index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    sampler.stop()
+    if args.profile:
+        profile(bench, paths)
+
+    # ---------------------------------------------------------------- report
+    median = statistics.median
+    print(f"\nmodel: {bench.description}: {bench.n_params / 1e6:.2f}M parameters, {bench.weights_bytes / MB:.1f} MiB weights")
+    lengths = "natural lengths (EOS ends a completion)" if args.natural_lengths else "lengths forced equal"
+    print(f"population {args.population} × batch {args.batch} × {args.max_tokens} tokens = "
+          f"{'up to ' if args.natural_lengths else ''}{tokens} tokens per iteration ({lengths}); prompts {bench.prompt_length} tokens (padded); rows per generate call: "
+          f"sequential {bench.seq_size}, batched {args.population * bench.batched_size}; torch threads "
+          f"{torch.get_num_threads()}; rank {args.rank}; {args.rounds} rounds, medians")
+    summary = {"args": vars(args), "tokens": tokens, "limit": {}, "paths": {}}
+    best = {}
+    print("\n1. limit: unperturbed batched greedy generation of all population × batch prompts")
+    for clock in ("wall", "cpu"):
+        for count in limit_rows:
+            summary["limit"].setdefault(clock, {})[count] = median([r["tokens"] / r[clock] for r in results[f"limit@{count}"]])
+        best[clock] = max(summary["limit"][clock], key=summary["limit"][clock].get)
+    for count in limit_rows:
+        print(f"   {count:>5} rows per call: {summary['limit']['wall'][count]:>8,.0f} tokens/s wall, "
+              f"{summary['limit']['cpu'][count]:>8,.0f} tokens per CPU-second")
+    print(f"   limit = best: {summary['limit']['wall'][best['wall']]:,.0f} tokens/s wall ({best['wall']} rows), "
+          f"{summary['limit']['cpu'][best['cpu']]:,.0f} per CPU-s ({best['cpu']} rows)")
+
+    def round_limit(clock, round_index):
+        return max(results[f"limit@{count}"][round_index]["tokens"] / results[f"limit@{count}"][round_index][clock]
+                   for count in limit_rows)
+
+    for clock in ("cpu", "wall"):
+        print(f"\n2/3. ES iteration, {clock} clock: tokens/s of the evaluation phase (2) and the full iteration (3),"
+              f" ratios to the same round's limit; breakdown of the median round, seconds")
+        print(f"{'path':<16} {'eval tok/s':>10} {'2/1':>6} {'iter s':>7} {'3/1':>6}  " + "".join(f"{k:>9}" for k in PHASES))
+        for path in paths:
+            rounds = results[path]
+            ratio2 = median([r["tokens"] / r[clock]["evaluation"] / round_limit(clock, i) for i, r in enumerate(rounds)])
+            ratio3 = median([r["tokens"] / r[clock]["iteration"] / round_limit(clock, i) for i, r in enumerate(rounds)])
+            chosen = sorted(rounds, key=lambda r: r[clock]["evaluation"])[(len(rounds) - 1) // 2]
+            b = chosen[clock]["breakdown"]
+            summary["paths"].setdefault(path, {})[clock] = {"ratio_eval": ratio2, "ratio_iteration": ratio3,
+                                                            "median_round": chosen[clock]}
+            if path.endswith("+overlap"):  # scoring overlaps generation: only the full iteration is measured
+                print(f"{path:<16} {'-':>10} {'-':>6} {chosen[clock]['iteration']:>7.2f} {ratio3:>6.1%}  "
+                      + "".join(f"{b[k]:>8.2f}s" if k != "other" else f"{'-':>9}" for k in PHASES))
+                continue
+            print(f"{path:<16} {chosen['tokens'] / chosen[clock]['evaluation']:>10,.0f} {ratio2:>6.1%} {chosen[clock]['iteration']:>7.2f}"
+                  f" {ratio3:>6.1%}  " + "".join(f"{b[k]:>8.2f}s" for k in PHASES))
+    for path in paths:
+        summary["paths"][path]["rounds"] = results[path]
+    summary["limit_rounds"] = {k: v for k, v in results.items() if k.startswith("limit@")}
+    summary["machine"] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                          "torch": torch.__version__, "load_at_end": os.getloadavg(),
+                          "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+    print(f"\nmachine: {summary['machine']['cpu']}, {os.cpu_count()} cores, torch {torch.__version__}, "
+          f"load average {os.getloadavg()[0]:.2f} at the end of the rounds, {summary['machine']['date']}")
+    if args.memory:
+        labels = [f"limit@{args.population * bench.batched_size}" if m == "limit" else m
+                  for m in args.memory.split(",") if m]
+        summary["memory"] = memory_report(args, labels)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=1, default=float))
+
+
+def profile(bench: Bench, paths: list[str]) -> None:
+    """Top operators by self CPU time: the limit at --profile rows per call, then one iteration per path."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def show(label, run):
+        with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+            started = time.perf_counter()
+            run()
+            elapsed = time.perf_counter() - started
+        print(f"\n== profile: {label} ({elapsed:.1f} s under the profiler)")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=48))
+
+    rows = bench.args.profile
+    show(f"limit, {rows} rows per call", lambda: bench.limit(rows))
+    for path in paths:
+        show(path, lambda: bench.iteration(path, 99))
+
+
+def slow_countdown_reward(prompts, completions, **columns):
+    """Countdown's reward after burning ESFT_BENCH_REWARD_COST_MS of CPU (runs in a sandbox worker)."""
+    from esft.tasks.countdown import countdown_reward
+
+    deadline = time.process_time() + float(os.environ.get("ESFT_BENCH_REWARD_COST_MS", "0")) / 1000
+    while time.process_time() < deadline:
+        pass
+    return countdown_reward(prompts, completions, **columns)
+
+
+def _has_lowrank() -> bool:
+    from esft import noise
+
+    return "lowrank" in noise.NOISE_SCHEMES
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""Population batching (--population-batching): every ES member in ONE batched generate call.
+
+With low-rank noise (esft.noise `lowrank`), member m's weights are W + σ·A_m·B_mᵀ/√r for every
+perturbed matrix W. The model keeps its unperturbed weights; forward hooks add each member's
+low-rank term to that member's rows, so the dense product with W (the expensive part) is computed
+once for the whole population:
+
+    nn.Linear     (y = x·Wᵀ, W: out × in)       y_m += σ/√r · (x_m·B_m)·A_mᵀ
+    Conv1D (GPT-2) (y = x·W, W: in × out)        y_m += σ/√r · (x_m·A_m)·B_mᵀ
+    nn.Embedding  (y = W[ids], W: vocab × dim)   y_m += σ/√r · A_m[ids]·B_mᵀ
+
+Rows are member-major: generate call rows [m·P, (m+1)·P) are member m's copies of the P prompts, and
+every hooked module must see the batch as the leading dimension of its input (true of HF decoder
+models, in prefill and in every KV-cached decoding step). A parameter used by several modules (a
+tied embedding / LM head) is one tensor index and gets the same factors in every use. Non-matrix
+tensors (norms, biases) are frozen under low-rank noise, as in the sequential path. Restoring is
+removing the hooks: the weights are never written.
+
+`check_population_batching` compares the batched forward with the sequential path (weights
+perturbed in place) once per engine: a model whose perturbed matrices are also used outside these
+modules, or whose modules see a different row layout, is refused instead of silently mis-evaluated.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from esft.engines.transformers_engine import Generation
+from esft.lowrank import stacked_factors
+from esft.noise import LOW_RANK_SCHEMES
+
+
+class PopulationBatchingError(ValueError):
+    """The engine or model cannot evaluate members batched (use the sequential path)."""
+
+
+def _conv1d_type():
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover
+        return None
+    return Conv1D
+
+
+class LowRankPopulation:
+    """While installed (a context manager), the engine's model evaluates `member_seeds` at once:
+    rows of member m get member m's low-rank perturbation (module docstring)."""
+
+    def __init__(self, engine, member_seeds: Sequence[int], sigma: float):
+        if engine.noise not in LOW_RANK_SCHEMES:
+            raise PopulationBatchingError(f"population batching needs --noise lowrank (got {engine.noise})")
+        self.engine = engine
+        self.size = len(member_seeds)
+        model = engine.model
+        dtype = next(model.parameters()).dtype
+        scale = sigma / math.sqrt(engine.rank)
+        perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable if param.dim() == 2}
+        conv1d = _conv1d_type()
+        factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._plan: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
+        used: set[int] = set()
+        for module_name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or id(weight) not in perturbed:
+                continue
+            index, name, param = perturbed[id(weight)]
+            if index not in factors:
+                factors[index] = stacked_factors(member_seeds, index, param.shape, engine.rank, engine.device, engine._generator)
+            a, b = factors[index]  # (N, shape[0], r), (N, shape[1], r)
+            if isinstance(module, nn.Linear):  # W: out × in -> x·B, then ·(σ/√r)·Aᵀ
+                self._plan.append((module, "matmul", b.to(dtype), (a * scale).transpose(1, 2).to(dtype).contiguous()))
+            elif conv1d is not None and isinstance(module, conv1d):  # W: in × out -> x·A, then ·(σ/√r)·Bᵀ
+                self._plan.append((module, "matmul", a.to(dtype), (b * scale).transpose(1, 2).to(dtype).contiguous()))
+            elif isinstance(module, nn.Embedding):  # W: vocab × dim -> A[ids], then ·(σ/√r)·Bᵀ
+                if module.max_norm is not None:
+                    raise PopulationBatchingError(f"{module_name}: nn.Embedding with max_norm is not supported")
+                table = a.reshape(-1, a.shape[-1]).to(dtype)  # (N·vocab, r): member m's rows at m·vocab
+                self._plan.append((module, "lookup", table, (b * scale).transpose(1, 2).to(dtype).contiguous()))
+            else:
+                raise PopulationBatchingError(
+                    f"{name} is the weight of {module_name} ({type(module).__name__}); population batching "
+                    "handles nn.Linear, nn.Embedding and Conv1D weights: exclude it with --trainable or "
+                    "evaluate members one at a time (no --population-batching)"
+                )
+            used.add(id(weight))
+        unused = [name for key, (_, name, _) in perturbed.items() if key not in used]
+        if unused:
+            raise PopulationBatchingError(
+                f"{unused[0]} is not the weight of an nn.Linear, nn.Embedding or Conv1D module; exclude it "
+                "with --trainable or evaluate members one at a time (no --population-batching)"
+            )
+        self._handles: list = []
+
+    def install(self) -> None:
+        for module, kind, left, right in self._plan:
+            hook = self._matmul_hook(left, right) if kind == "matmul" else self._lookup_hook(left, right, module.num_embeddings)
+            self._handles.append(module.register_forward_hook(hook))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self) -> LowRankPopulation:
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def _members(self, tensor: torch.Tensor) -> int:
+        if tensor.shape[0] % self.size:
+            raise PopulationBatchingError(
+                f"a hooked module saw a batch of {tensor.shape[0]} rows, not a multiple of the {self.size} members"
+            )
+        return self.size
+
+    def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
+        def hook(module, args, output):
+            x = args[0]
+            n = self._members(x)
+            low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
+            return _add_bmm(output, n, low, right)
+
+        return hook
+
+    def _lookup_hook(self, table: torch.Tensor, right: torch.Tensor, vocab: int):
+        offsets = torch.arange(self.size, device=table.device).unsqueeze(1) * vocab
+
+        def hook(module, args, output):
+            ids = args[0]
+            n = self._members(ids)
+            low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
+            return _add_bmm(output, n, low, right)
+
+        return hook
+
+
+def _add_bmm(output: torch.Tensor, n: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """output (member-major rows) += low·right, in place when output is contiguous."""
+    if output.is_contiguous():
+        output.view(n, -1, output.shape[-1]).baddbmm_(low, right)
+        return output
+    return output + torch.bmm(low, right).view(output.shape)
+
+
+# ------------------------------------------------------------------ generation
+@torch.no_grad()
+def generate_population(
+    engine, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float, mini_batch_size: int | None = None
+) -> list[Generation]:
+    """Greedy completions of `prompts` for every member (one Generation per member, prompts in
+    order), all members in each generate call; `mini_batch_size` prompts (× members rows) per call."""
+    check_population_batching(engine)
+    encoded = engine._encode(prompts)
+    count, size = len(member_seeds), mini_batch_size or engine.mini_batch_size or len(prompts)
+    prompt_length = encoded["input_ids"].shape[1]
+    results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
+    with LowRankPopulation(engine, member_seeds, sigma):
+        for start in range(0, len(prompts), size):
+            ids = encoded["input_ids"][start : start + size]
+            mask = encoded["attention_mask"][start : start + size]
+            output = engine.model.generate(
+                input_ids=ids.repeat(count, 1), attention_mask=mask.repeat(count, 1), generation_config=engine.greedy
+            )
+            rows = _cut_at_eos(output[:, prompt_length:].tolist(), engine.eos_token_ids)
+            texts = engine.tokenizer.batch_decode(rows, skip_special_tokens=True)
+            chunk = len(ids)
+            for member, result in enumerate(results):
+                part = slice(member * chunk, (member + 1) * chunk)
+                result.token_ids.extend(rows[part])
+                result.num_tokens.extend(len(row) for row in rows[part])
+                result.texts.extend(texts[part])
+    return results
+
+
+def _cut_at_eos(rows: list[list[int]], eos_ids: Sequence[int]) -> list[list[int]]:
+    """Each row up to and including its first EOS (padding after it dropped)."""
+    eos = set(eos_ids)
+    cut = []
+    for row in rows:
+        length = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+        cut.append(row[:length])
+    return cut
+
+
+# ------------------------------------------------------------------ self-check
+_CHECKED = "_esft_population_checked"
+
+
+@torch.no_grad()
+def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
+    """Once per engine: the batched forward's logits must match the sequential path's (weights
+    perturbed in place) on a short input, else PopulationBatchingError. σ is 0.3 × the matrices'
+    RMS, so every perturbed matrix is visible in the logits and a missed use shows (tolerance: 0.1%
+    of the perturbation's effect in float32; 15% in bfloat16/float16, whose rounding alone reaches
+    a few percent: there a missed use of a minor matrix can pass unnoticed)."""
+    if getattr(engine, _CHECKED, False):
+        return
+    model = engine.model
+    matrices = [engine.master[name] for _, name, param in engine.trainable if param.dim() == 2]
+    if not matrices:
+        raise PopulationBatchingError("no trainable matrix: low-rank noise perturbs matrices only")
+    sigma = 0.3 * float(torch.stack([m.pow(2).mean().sqrt() for m in matrices]).mean())
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (2, 6), generator=generator).to(engine.device)
+    base = model(input_ids=ids).logits.float()
+    sequential = []
+    for seed in seeds:
+        engine.perturb(seed, sigma)
+        try:
+            sequential.append(model(input_ids=ids).logits.float())
+        finally:
+            engine.restore()
+    expected = torch.cat(sequential)
+    with LowRankPopulation(engine, seeds, sigma):
+        batched = model(input_ids=ids.repeat(len(seeds), 1)).logits.float()
+    effect = float((expected - base.repeat(len(seeds), 1, 1)).abs().max())
+    error = float((batched - expected).abs().max())
+    tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.15
+    if not error <= tolerance * max(effect, 1e-6):
+        raise PopulationBatchingError(
+            f"batched low-rank logits differ from the sequential path's by {error:.3g} (perturbation effect "
+            f"{effect:.3g}): this model uses a perturbed matrix outside nn.Linear/nn.Embedding/Conv1D or lays "
+            "out its batch differently; evaluate members one at a time (no --population-batching)"
+        )
+    setattr(engine, _CHECKED, True)

@@ -1,0 +1,217 @@
+"""Speed paths (issue 5): low-rank noise, sequential vs population-batched evaluation.
+
+The batched path (all members in one generate call, low-rank terms added by forward hooks) must
+give the sequential path's logits (float tolerance) and greedy completions for the same member
+seeds; the low-rank update must match a direct computation; low-rank perturb/restore must be exact.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from esft import strategy
+from esft.config import ConfigError, ESConfig
+from esft.engines.population import (
+    LowRankPopulation,
+    PopulationBatchingError,
+    check_population_batching,
+    generate_population,
+)
+from esft.engines.transformers_engine import TransformersEngine
+from esft.executor import LocalExecutor
+from esft.noise import draw_noise, lowrank_factors, perturbs
+from esft.rewards import RewardRunner
+from tiny_model import build_tiny_model, build_tokenizer
+from toy_task import byte_reward, toy_rows
+
+PROMPTS = ["Using the numbers [1 2 3]", "abc", "a somewhat longer prompt here", "x", "Q7: 7 + 7 ="]
+SEEDS = [3, 141, 59, 2653]
+SIGMA = 0.05  # large enough that members' greedy completions differ on a tiny random model
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def model_dir(request, tmp_path_factory):
+    """A tiny Llama whose greedy output moves under σ = 0.05 low-rank perturbations."""
+    return build_tiny_model(tmp_path_factory.mktemp(f"lively-{request.param}"), initializer_range=0.3,
+                            tie_word_embeddings=request.param == "tied")
+
+
+def load_engine(path, dtype=torch.float32, rank=2, **kwargs) -> TransformersEngine:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return TransformersEngine(model, AutoTokenizer.from_pretrained(path), noise="lowrank", rank=rank, **kwargs)
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {name: param.detach().clone() for _, name, param in engine.trainable}
+
+
+# --------------------------------------------------------------------- noise
+def test_lowrank_noise_is_a_regenerated_unit_variance_product_and_spares_non_matrices():
+    a, b = lowrank_factors(7, 3, (300, 200), 4)
+    assert a.shape == (300, 4) and b.shape == (200, 4)
+    dense = draw_noise("lowrank", 7, 3, (300, 200), rank=4)
+    torch.testing.assert_close(dense, a @ b.T / 2, rtol=0, atol=1e-6)
+    assert torch.equal(dense, draw_noise("lowrank", 7, 3, (300, 200), rank=4))
+    assert not torch.equal(dense, draw_noise("lowrank", 7, 4, (300, 200), rank=4))  # i.i.d. across tensors
+    assert abs(float(dense.std()) - 1.0) < 0.1  # σ means what it means for iid noise
+    assert torch.equal(draw_noise("lowrank", 7, 3, (64,), rank=4), torch.zeros(64))  # norms/biases: frozen
+    assert perturbs("lowrank", (3, 4)) and not perturbs("lowrank", (4,)) and perturbs("iid", (4,))
+
+
+# ------------------------------------------------------- sequential weights
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lowrank_perturb_is_master_plus_sigma_ab_and_restore_is_exact(model_dir, dtype):
+    engine = load_engine(model_dir, dtype=dtype, rank=3)
+    before, checksum = weights(engine), engine.checksum()
+    engine.perturb(42, sigma=1e-2)
+    for index, name, param in engine.trainable:
+        if param.dim() == 2:
+            a, b = lowrank_factors(42, index, param.shape, 3)
+            expected = (engine.master[name].double() + 1e-2 * (a @ b.T).double() / math.sqrt(3)).to(dtype)
+            torch.testing.assert_close(param.detach(), expected, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+            assert not torch.equal(param.detach(), before[name])
+        else:
+            assert torch.equal(param.detach(), before[name])  # frozen under low-rank noise
+    engine.restore()
+    for member_seed in range(30):
+        engine.perturb(member_seed * 7919, sigma=1e-2)
+        engine.restore()
+    assert all(torch.equal(before[name], param.detach()) for _, name, param in engine.trainable)
+    assert engine.checksum() == checksum
+
+
+def test_lowrank_update_matches_direct_computation(model_dir):
+    engine = load_engine(model_dir, rank=2)
+    base = {name: m.double().clone() for name, m in engine.master.items()}
+    seeds = strategy.ask(strategy.init(3), 6)
+    rewards = [0.1, 0.9, 0.4, 0.4, 0.0, 1.1]
+    _, coefficients = strategy.tell(strategy.init(3), rewards, alpha=5e-4)
+    engine.update(seeds, coefficients)
+    z = (np.array(rewards) - np.mean(rewards)) / (np.std(rewards) + 1e-8)
+    for index, name, param in engine.trainable:
+        if param.dim() != 2:
+            assert torch.equal(engine.master[name].double(), base[name])
+            continue
+        step = torch.zeros_like(base[name])
+        for zi, seed in zip(z, seeds):
+            a, b = lowrank_factors(seed, index, param.shape, 2)
+            step += zi * (a.double() @ b.double().T) / math.sqrt(2)
+        torch.testing.assert_close(engine.master[name].double(), base[name] + 5e-4 / 6 * step, rtol=0, atol=1e-7)
+        assert torch.equal(param.detach(), engine.master[name])
+    # the same update through the generic dense noise (the reference's per-member accumulation)
+    dense = load_engine(model_dir, rank=2)
+    for index, name, param in dense.trainable:
+        if param.dim() == 2:
+            total = sum(c * draw_noise("lowrank", s, index, param.shape, rank=2).double() for c, s in zip(coefficients, seeds))
+            torch.testing.assert_close(engine.master[name].double(), dense.master[name].double() + total, rtol=0, atol=1e-7)
+
+
+# ---------------------------------------------------- batched vs sequential
+def test_batched_logits_match_sequential(model_dir):
+    engine = load_engine(model_dir)
+    encoded = engine._encode(PROMPTS)  # left-padded: the mask matters
+    ids, mask = encoded["input_ids"], encoded["attention_mask"]
+    model = engine.model
+    with torch.no_grad():
+        base = model(input_ids=ids, attention_mask=mask).logits
+        sequential = []
+        for seed in SEEDS:
+            engine.perturb(seed, SIGMA)
+            sequential.append(model(input_ids=ids, attention_mask=mask).logits)
+            engine.restore()
+        with LowRankPopulation(engine, SEEDS, SIGMA):
+            batched = model(input_ids=ids.repeat(len(SEEDS), 1), attention_mask=mask.repeat(len(SEEDS), 1)).logits
+        after = model(input_ids=ids, attention_mask=mask).logits  # hooks removed: the base model again
+    expected = torch.cat(sequential)
+    real = mask.repeat(len(SEEDS), 1).bool()
+    assert float((expected - base.repeat(len(SEEDS), 1, 1))[real].abs().max()) > 0.1  # the test is not vacuous
+    torch.testing.assert_close(batched[real], expected[real], rtol=1e-4, atol=1e-4)
+    assert torch.equal(after, base)
+
+
+def test_batched_greedy_completions_match_sequential(model_dir):
+    engine = load_engine(model_dir, max_tokens=12)
+    base = engine.generate(PROMPTS)
+    batched = generate_population(engine, PROMPTS, SEEDS, SIGMA)
+    assert len(batched) == len(SEEDS)
+    changed = 0
+    for seed, generation in zip(SEEDS, batched):
+        engine.perturb(seed, SIGMA)
+        sequential = engine.generate(PROMPTS)
+        engine.restore()
+        assert generation.token_ids == sequential.token_ids
+        assert generation.texts == sequential.texts and generation.num_tokens == sequential.num_tokens
+        changed += generation.texts != base.texts
+    assert changed >= 2  # members really differ from the base model
+    assert engine.generate(PROMPTS) == base  # nothing left behind
+    # mini-batches of prompts (× members rows per call) change nothing
+    assert generate_population(engine, PROMPTS, SEEDS, SIGMA, mini_batch_size=2) == batched
+
+
+def test_population_batching_executor_equals_sequential_executor(tmp_path):
+    path = build_tiny_model(tmp_path / "model", initializer_range=0.3)
+    rows = toy_rows(4)
+    scorer = RewardRunner([byte_reward], sandbox=False).score
+    sequential = LocalExecutor(load_engine(path, max_tokens=8), scorer, SIGMA)
+    batched = LocalExecutor(load_engine(path, max_tokens=8), scorer, SIGMA, population_batching=True)
+    one = sequential.evaluate_population(SEEDS, rows)
+    two = batched.evaluate_population(SEEDS, rows)
+    assert [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in one] == \
+           [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in two]
+    assert len({m.reward for m in one}) > 1
+    _, coefficients = strategy.tell(strategy.init(0), [m.reward for m in one], alpha=0.01)
+    sequential.update(SEEDS, coefficients)
+    batched.update(SEEDS, coefficients)
+    assert sequential.checksum() == batched.checksum()
+
+
+def test_conv1d_models_work_and_unsupported_uses_are_refused(tmp_path):
+    """GPT-2 (Conv1D layers, tied wte/lm_head): works once the broadcast position embedding (one row
+    for the whole batch, so not per member) is excluded; with it, the engine is refused."""
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.eos_token_id, initializer_range=0.3)
+    model = GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    engine = load_engine(tmp_path, max_tokens=6, trainable=r"^(?!transformer\.wpe)")
+    check_population_batching(engine)
+    batched = generate_population(engine, PROMPTS[:3], SEEDS[:2], SIGMA)
+    for seed, generation in zip(SEEDS[:2], batched):
+        engine.perturb(seed, SIGMA)
+        assert engine.generate(PROMPTS[:3]).token_ids == generation.token_ids
+        engine.restore()
+    with pytest.raises(PopulationBatchingError):
+        check_population_batching(load_engine(tmp_path))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_self_check_accepts_low_precision_models(model_dir, dtype):
+    check_population_batching(load_engine(model_dir, dtype=dtype))
+
+
+def test_config_rules():
+    assert ESConfig(noise="lowrank", rank=4, population_batching=True).rank == 4
+    with pytest.raises(ConfigError, match="--population-batching: needs --noise lowrank"):
+        ESConfig(population_batching=True)
+    with pytest.raises(ConfigError, match="--rank"):
+        ESConfig(noise="lowrank", rank=0)
+    with pytest.raises(ConfigError, match="--population-batching"):
+        ESConfig(noise="lowrank", population_batching=True, executor="ray", workers=2)
+    with pytest.raises(ConfigError, match="--noise"):
+        ESConfig(noise="lowrank", engine="vllm")
