@@ -33,6 +33,19 @@ class Generation:
     """The generated token ids (EOS included, padding excluded), when the engine provides them."""
 
 
+def generation_from_tokens(rows: Sequence[Sequence[int]], eos_token_ids: Sequence[int], tokenizer) -> Generation:
+    """Generated token rows cut after their first EOS (padding dropped) and decoded without
+    special tokens: the one place every engine turns tokens into completions."""
+    texts, counts, token_ids = [], [], []
+    for row in rows:
+        row = list(row)
+        length = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+        counts.append(length)
+        token_ids.append(row[:length])
+        texts.append(tokenizer.decode(row[:length], skip_special_tokens=True))
+    return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
+
+
 @dataclass(frozen=True)
 class Sampling:
     """How to decode. The default (temperature 0) is greedy, as ES rollouts are in the paper."""
@@ -251,9 +264,7 @@ class TransformersEngine:
             torch.manual_seed(sampling.seed)
         encoded = self._encode(prompts)
         size = mini_batch_size or self.mini_batch_size or len(prompts)
-        texts: list[str] = []
-        counts: list[int] = []
-        token_ids: list[list[int]] = []
+        rows: list[list[int]] = []
         prompt_length = encoded["input_ids"].shape[1]
         for start in range(0, len(prompts), size):
             output = self.model.generate(
@@ -261,12 +272,8 @@ class TransformersEngine:
                 attention_mask=encoded["attention_mask"][start : start + size],
                 generation_config=config,
             )
-            for row in output[:, prompt_length:].tolist():
-                length = next((i + 1 for i, token in enumerate(row) if token in self.eos_token_ids), len(row))
-                counts.append(length)
-                token_ids.append(row[:length])
-                texts.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
-        return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
+            rows.extend(output[:, prompt_length:].tolist())
+        return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
 
     # ----------------------------------------------------------------- saving
     def save_pretrained(self, path: str | Path) -> None:

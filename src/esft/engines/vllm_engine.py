@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from esft.engines.transformers_engine import Generation, NoTrainableParameters, Sampling
+from esft.engines.transformers_engine import Generation, NoTrainableParameters, Sampling, generation_from_tokens
 from esft.engines.vllm_worker import from_bytes, to_bytes
 
 EXTENSION = "esft.engines.vllm_worker.ESWorkerExtension"
@@ -198,15 +198,8 @@ class VLLMEngine:
         )
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in ids], params, use_tqdm=False)
-        texts, counts, token_ids = [], [], []
-        for output in outputs:
-            for completion in output.outputs:
-                row = list(completion.token_ids)
-                length = next((i + 1 for i, token in enumerate(row) if token in self.eos_token_ids), len(row))
-                counts.append(length)
-                token_ids.append(row[:length])
-                texts.append(self.tokenizer.decode(row[:length], skip_special_tokens=True))
-        return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
+        rows = [completion.token_ids for output in outputs for completion in output.outputs]
+        return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
 
     # ----------------------------------------------------------------- saving
     def save_pretrained(self, path: str | Path) -> None:
