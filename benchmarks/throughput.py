@@ -12,16 +12,21 @@ for each requested path:
   PATH+overlap     the sequential PATH scoring member i while member i+1 generates (only the full
                    iteration, 3, is meaningful then; the others wait for each member's scores)
 and prints the ratio 2/1 and 3/1 and a time breakdown (noise, perturb, generate, restore, reward,
-update), on two clocks (wall, and this process's CPU time: with --threads 1 the latter is barely
-disturbed by other jobs on a shared machine), then peak resident memory (RSS sampled every 2 ms) of
-the limit and of each path, each in a fresh process, against weights + float32 master + KV cache.
+update), on two clocks (wall, and this process's CPU time: with --threads 1 the latter is much
+less disturbed by other jobs on a shared machine), then peak resident memory (RSS sampled every
+2 ms) of the limit and of each path, each in a fresh process, against weights + float32 master +
+KV cache. --profile ROWS adds torch.profiler tables; --reward-cost-ms simulates an expensive
+sandboxed reward (for the +overlap paths).
 
 Completion lengths are forced equal on every side (benchmark-only: min_new_tokens = max_new_tokens,
-so EOS never ends a row early): tokens = population × batch × max_tokens everywhere. Rounds alternate
-the measurements, so a load spike from other jobs hits all of them alike; the median round is shown.
+so EOS never ends a row early): tokens = population × batch × max_tokens everywhere; with
+--natural-lengths EOS ends completions as in training. Rounds alternate the measurements, so a load
+spike from other jobs hits all of them alike; ratios are the median over rounds, and best / best.
 
-    python benchmarks/throughput.py --model embedded            # demo: N=30, batch 32, 64 tokens
-    python benchmarks/throughput.py --model 30m --batched-mini-batch-size 8
+    python benchmarks/throughput.py --threads 1 --rounds 5 --batched-mini-batch-size 8 --limit-rows 32,240,480
+    python benchmarks/throughput.py --model 30m --threads 1 --rounds 5 --batch 16 --max-tokens 32 \
+        --batched-mini-batch-size 8 --limit-rows 240 --paths before-iid,seq-iid,batched-lowrank --memory ""
+(the runs recorded in benchmarks/RESULTS.md)
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import sys
 import tempfile
@@ -42,7 +46,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-STAND_IN = Path("/tmp/fmt/f1/s300r")  # the embedded model's stand-in, while the asset does not exist
 
 
 # ------------------------------------------------------------------- memory
@@ -92,9 +95,7 @@ def build_model(name: str, tmp: Path):
 
     if name in ("embedded", "30m"):
         path = embedded_model_path()
-        if not (path / "config.json").exists():
-            path = STAND_IN if (STAND_IN / "config.json").exists() else None
-        if path is None:  # neither the asset nor its stand-in: the same architecture, random weights
+        if not (path / "config.json").exists():  # no asset (a bare checkout): its architecture, random weights
             from tiny_model import build_tiny_model
 
             path = build_tiny_model(tmp / "tiny", hidden_size=128, intermediate_size=512, num_hidden_layers=4,

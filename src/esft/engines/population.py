@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.transformers_engine import Generation
+from esft.engines.transformers_engine import Generation, generation_from_tokens
 from esft.lowrank import stacked_factors
 from esft.noise import LOW_RANK_SCHEMES
 
@@ -167,25 +167,15 @@ def generate_population(
             output = engine.model.generate(
                 input_ids=ids.repeat(count, 1), attention_mask=mask.repeat(count, 1), generation_config=engine.greedy
             )
-            rows = _cut_at_eos(output[:, prompt_length:].tolist(), engine.eos_token_ids)
-            texts = engine.tokenizer.batch_decode(rows, skip_special_tokens=True)
+            rows = output[:, prompt_length:].tolist()
             chunk = len(ids)
             for member, result in enumerate(results):
-                part = slice(member * chunk, (member + 1) * chunk)
-                result.token_ids.extend(rows[part])
-                result.num_tokens.extend(len(row) for row in rows[part])
-                result.texts.extend(texts[part])
+                part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,
+                                              engine.tokenizer)
+                result.token_ids.extend(part.token_ids)
+                result.num_tokens.extend(part.num_tokens)
+                result.texts.extend(part.texts)
     return results
-
-
-def _cut_at_eos(rows: list[list[int]], eos_ids: Sequence[int]) -> list[list[int]]:
-    """Each row up to and including its first EOS (padding after it dropped)."""
-    eos = set(eos_ids)
-    cut = []
-    for row in rows:
-        length = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
-        cut.append(row[:length])
-    return cut
 
 
 # ------------------------------------------------------------------ self-check
