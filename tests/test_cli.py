@@ -16,7 +16,8 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from esft.config import ESConfig
+from esft.cli import resolve_config
+from esft.config import DEMO_PRESET, ESConfig
 from esft.tasks.countdown import countdown_accuracy, countdown_reward
 
 TINY = ["--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "4",
@@ -297,3 +298,37 @@ def test_help_documents_every_setting(command, tmp_path):
         assert "".join(field.metadata["help"].split()) in squashed, f"help text of {flag} missing"
     assert "--no-progress" in proc.stdout
     assert "--config YAML" in proc.stdout
+
+
+# ------------------------------------------------------------------------- the demo preset
+PAPER = {"noise": "iid", "rank": 1, "population_batching": False, "mini_batch_size": None}
+
+
+@pytest.mark.parametrize(
+    "command, given, expected",
+    [
+        ("train", {}, DEMO_PRESET),                                    # `esft train`: the demo, fast
+        ("train", {"iterations": 3, "sigma": 2e-3}, DEMO_PRESET),      # ES hyperparameters keep it
+        ("train", {"model": "embedded"}, DEMO_PRESET),
+        ("train", {"noise": "iid"}, PAPER),                            # any speed setting: exactly what was asked
+        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated"}),
+        ("train", {"mini_batch_size": 4}, PAPER | {"mini_batch_size": 4}),
+        ("train", {"noise": "lowrank", "rank": 2}, PAPER | {"noise": "lowrank", "rank": 2}),
+        ("train", {"engine": "vllm"}, PAPER),
+        ("train", {"executor": "ray", "workers": 2}, PAPER),
+        ("train", {"model": "org/some-model"}, PAPER),                 # not the demo model: the paper's defaults
+        ("eval", {}, PAPER),                                           # nothing to speed up
+    ],
+)
+def test_demo_preset_applies_only_to_the_untouched_demo(command, given, expected):
+    config, preset = resolve_config(command, dict(given))
+    assert {name: getattr(config, name) for name in PAPER} == expected
+    assert preset == (DEMO_PRESET if expected is DEMO_PRESET else {})
+    assert ESConfig().noise == "iid" and not ESConfig().population_batching  # the API's defaults: the paper's
+
+
+def test_demo_preset_is_not_applied_over_a_yaml_setting(tmp_path):
+    config_file = tmp_path / "run.yaml"
+    config_file.write_text("noise: iid\n")
+    config, preset = resolve_config("train", {"config": str(config_file)})
+    assert preset == {} and config.noise == "iid" and not config.population_batching

@@ -1,4 +1,5 @@
-"""The demo end to end: `esft train` with all defaults on the embedded model (slow: a few minutes).
+"""The demo end to end: `esft train` with all defaults on the embedded model (slow: a few minutes),
+which runs with the demo preset (low-rank noise, population batching).
 
 The issue's promise: held-out accuracy (500 problems never trained on) rises by at least 8 points,
 from a base between 15% and 60%. Wall time is measured in benchmarks/, not asserted here.
@@ -11,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from esft.trainer import embedded_model_path
@@ -31,6 +33,9 @@ def test_default_demo_gains_at_least_8_points(tmp_path):
         capture_output=True, text=True, timeout=1200,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "demo preset: --noise lowrank --rank 1 --population-batching --mini-batch-size 8" in result.stderr
+    config = yaml.safe_load((tmp_path / "demo" / "config.yaml").read_text())
+    assert (config["noise"], config["population_batching"], config["mini_batch_size"]) == ("lowrank", True, 8)
     rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
     before, after = rows[0]["eval/heldout/accuracy"], rows[-1]["eval/heldout/accuracy"]
     assert 0.15 <= before <= 0.60, before

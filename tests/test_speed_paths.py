@@ -200,6 +200,48 @@ def test_conv1d_models_work_and_unsupported_uses_are_refused(tmp_path):
         check_population_batching(load_engine(tmp_path))
 
 
+# Decoder architectures beyond Llama: biases (Qwen2), q/k norms (Qwen3), fused qkv / gate_up (Phi3),
+# a scaled word embedding (Gemma), parallel attention+MLP (GPT-NeoX, Falcon, GPT-J), learned positions
+# (OPT: refused until --trainable excludes them). Each: (config class, extra settings, trainable).
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", {}, None),
+    "qwen3": ("Qwen3Config", {"head_dim": 8}, None),
+    "phi3": ("Phi3Config", {}, None),
+    "gemma": ("GemmaConfig", {"head_dim": 8}, None),
+    "gpt_neox": ("GPTNeoXConfig", {}, None),
+    "falcon": ("FalconConfig", {}, None),
+    "gptj": ("GPTJConfig", {"rotary_dim": 4}, None),
+    "opt": ("OPTConfig", {}, r"^(?!.*embed_positions)"),
+}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_batched_completions_match_sequential_across_architectures(architecture, tmp_path):
+    import transformers
+
+    config_class, extra, trainable = ARCHITECTURES[architecture]
+    tokenizer = build_tokenizer()
+    config = getattr(transformers, config_class)(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, initializer_range=0.3, **extra)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    if trainable is not None:  # the model as it comes is refused, with a way out
+        with pytest.raises(PopulationBatchingError, match="--trainable"):
+            check_population_batching(load_engine(tmp_path))
+    engine = load_engine(tmp_path, max_tokens=10, trainable=trainable)
+    check_population_batching(engine)
+    base = engine.generate(PROMPTS[:4])
+    batched = generate_population(engine, PROMPTS[:4], SEEDS[:3], SIGMA)
+    for seed, generation in zip(SEEDS[:3], batched):
+        engine.perturb(seed, SIGMA)
+        assert engine.generate(PROMPTS[:4]).token_ids == generation.token_ids, seed
+        engine.restore()
+    assert sum(generation.texts != base.texts for generation in batched) >= 2  # members really differ
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_self_check_accepts_low_precision_models(model_dir, dtype):
     check_population_batching(load_engine(model_dir, dtype=dtype))

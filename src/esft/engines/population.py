@@ -79,7 +79,8 @@ class LowRankPopulation:
                 if module.max_norm is not None:
                     raise PopulationBatchingError(f"{module_name}: nn.Embedding with max_norm is not supported")
                 table = a.reshape(-1, a.shape[-1]).to(dtype)  # (N·vocab, r): member m's rows at m·vocab
-                self._plan.append((module, "lookup", table, (b * scale).transpose(1, 2).to(dtype).contiguous()))
+                right = (b * scale * _embedding_output_scale(module, module_name)).transpose(1, 2)
+                self._plan.append((module, "lookup", table, right.to(dtype).contiguous()))
             else:
                 raise PopulationBatchingError(
                     f"{name} is the weight of {module_name} ({type(module).__name__}); population batching "
@@ -138,6 +139,22 @@ class LowRankPopulation:
             return _add_bmm(output, n, low, right)
 
         return hook
+
+
+def _embedding_output_scale(module: nn.Embedding, module_name: str) -> float:
+    """What the module multiplies its looked-up rows by: 1 for nn.Embedding, `embed_scale` for the
+    scaled word embeddings of Gemma-like models (forward = lookup · embed_scale). Any other subclass
+    may feed the lookup something other than token ids (OPT's learned positions take the attention
+    mask): refused, the self-check could not vouch for it."""
+    if type(module).forward is nn.Embedding.forward:
+        return 1.0
+    embed_scale = getattr(module, "embed_scale", None)
+    if embed_scale is not None and "Scaled" in type(module).__name__:
+        return float(embed_scale)
+    raise PopulationBatchingError(
+        f"{module_name} ({type(module).__name__}) computes its own embedding lookup; exclude its weight from ES "
+        "with --trainable (e.g. a regex without it) or evaluate members one at a time (no --population-batching)"
+    )
 
 
 def _add_bmm(output: torch.Tensor, n: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

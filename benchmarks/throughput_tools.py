@@ -1,0 +1,179 @@
+"""Measuring tools of benchmarks/throughput.py: a peak-RSS sampler, per-phase timers on two clocks,
+the benchmark's models, and the instrumentation that times each phase of the ES paths (including the
+engine and executor of an older commit, for the 'before' path)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------- memory
+class RSSSampler:
+    """Peak resident memory per labelled phase, from /proc/self/statm sampled in a thread."""
+
+    def __init__(self, interval: float = 0.005):
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.interval = interval
+        self.label = "idle"
+        self.peaks: dict[str, int] = defaultdict(int)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def rss(self) -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            value = self.rss()
+            if value > self.peaks[self.label]:
+                self.peaks[self.label] = value
+            time.sleep(self.interval)
+
+    def phase(self, label: str) -> None:
+        self.peaks[self.label] = max(self.peaks[self.label], self.rss())
+        self.label = label
+        self.peaks[label] = max(self.peaks[label], self.rss())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+MB = 2**20
+
+
+# -------------------------------------------------------------------- model
+def build_model(name: str, tmp: Path):
+    """(model, tokenizer, description) for 'embedded', '30m' or a model directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from esft.trainer import embedded_model_path
+
+    if name in ("embedded", "30m"):
+        path = embedded_model_path()
+        if not (path / "config.json").exists():  # no asset (a bare checkout): its architecture, random weights
+            from tiny_model import build_tiny_model
+
+            path = build_tiny_model(tmp / "tiny", hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=4)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        if name == "embedded":
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, str(path)
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=512, intermediate_size=1536, num_hidden_layers=9,
+            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        )
+        return LlamaForCausalLM(config).eval(), tokenizer, f"Llama from config (hidden 512, 9 layers, MLP 1536), tokenizer of {path}"
+    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), AutoTokenizer.from_pretrained(name), name
+
+
+def kv_cache_bytes(model, rows: int, length: int) -> int:
+    config = model.config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return rows * config.num_hidden_layers * 2 * heads * head_dim * length * next(model.parameters()).element_size()
+
+
+# ------------------------------------------------------------ instrumentation
+class Timings:
+    """Seconds per phase on two clocks: wall (perf_counter) and this process's CPU (process_time).
+    With one torch thread the CPU clock counts only our own work, so it is barely disturbed by other
+    jobs on a shared machine; the wall clock is what a user waits."""
+
+    def __init__(self):
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+
+    def clear(self) -> None:
+        self.wall.clear()
+        self.cpu.clear()
+
+
+def now() -> tuple[float, float]:
+    return time.perf_counter(), time.process_time()
+
+
+def load_before(ref: str):
+    """The engine and executor modules as of git `ref` (the code before issue 5), for the 'before-iid'
+    path: their perturb/restore/update/evaluate_population run on the same engine object."""
+    import importlib.util
+    import subprocess
+
+    modules = {}
+    for key, path in (("engine", "src/esft/engines/transformers_engine.py"), ("executor", "src/esft/executor.py")):
+        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{path}"], check=True, capture_output=True,
+                                text=True).stdout
+        spec = importlib.util.spec_from_loader(f"esft_before_{key}", loader=None)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        exec(compile(source, f"{ref}:{path}", "exec"), module.__dict__)
+        modules[key] = module
+    return modules
+
+
+class Instrumented:
+    """Binds a path's implementation to the engine and executor, every phase timed (noise time is
+    taken out of the phase that drew it)."""
+
+    def __init__(self, engine, executor, timings: Timings, before=None):
+        import esft.engines.transformers_engine as te
+        import esft.lowrank as lowrank
+
+        self.engine, self.executor, self.timings, self.before = engine, executor, timings, before
+        noise_modules = [(te, "draw_noise"), (lowrank, "lowrank_factors")]
+        if before is not None:
+            noise_modules.append((before["engine"], "draw_noise"))
+        for module, name in noise_modules:
+            setattr(module, name, self.timed("noise", getattr(module, name)))
+        engine.model.generate = self.timed("generate", engine.model.generate)
+        executor.scorer = self.timed("reward", executor.scorer)
+        self.current = {name: getattr(engine, name) for name in ("perturb", "restore", "update")}
+        self.current_evaluate = executor.evaluate_population
+        from esft.engines import population
+
+        cls = population.LowRankPopulation
+        cls.__init__ = self.timed("perturb", cls.__init__, exclude_noise=True)  # stacking the members' factors
+        cls.install = self.timed("perturb", cls.install)
+        cls.remove = self.timed("restore", cls.remove)
+
+    def timed(self, label, func, exclude_noise=False):
+        timings = self.timings
+
+        def wrapper(*args, **kwargs):
+            noise_before = timings.wall["noise"], timings.cpu["noise"]
+            started = now()
+            try:
+                return func(*args, **kwargs)
+            finally:
+                ended = now()
+                for clock, book in enumerate((timings.wall, timings.cpu)):
+                    spent = ended[clock] - started[clock]
+                    book[label] += spent - (book["noise"] - noise_before[clock] if exclude_noise else 0.0)
+
+        return wrapper
+
+    def bind(self, path: str) -> None:
+        import functools
+
+        engine, executor = self.engine, self.executor
+        if path.startswith("before"):
+            old_engine, old_executor = self.before["engine"].TransformersEngine, self.before["executor"].LocalExecutor
+            methods = {name: functools.partial(getattr(old_engine, name), engine) for name in self.current}
+            executor.evaluate_population = functools.partial(old_executor.evaluate_population, executor)
+        else:
+            methods = self.current
+            executor.evaluate_population = self.current_evaluate
+        for name, method in methods.items():
+            setattr(engine, name, self.timed(name, method, exclude_noise=name in ("perturb", "update")))
