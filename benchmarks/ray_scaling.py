@@ -8,6 +8,7 @@ in 2 concurrent processes, which tells how much of a second core the machine rea
 (shared machines often do not).
 
     python benchmarks/ray_scaling.py [--population 8] [--batch 16] [--tokens 32] [--iterations 3] [--engine transformers|vllm]
+                                     [--population-batching]   (low-rank noise, each actor batches its share)
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3, help="timed iterations (after one warm-up)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"])
+    parser.add_argument("--population-batching", action="store_true",
+                        help="--noise lowrank --rank 1 --population-batching (transformers engine)")
     args = parser.parse_args()
 
     import ray
@@ -77,7 +80,8 @@ def main() -> None:
         for workers in args.workers:
             config = ESConfig(model=str(path), executor="ray", workers=workers, engine=args.engine, device="cpu",
                               population_size=args.population, batch_size=args.batch, max_tokens=args.tokens,
-                              sigma=1e-3, reward_sandbox=False, logging="none", progress=False, max_model_len=512)
+                              sigma=1e-3, reward_sandbox=False, logging="none", progress=False, max_model_len=512,
+                              **(dict(noise="lowrank", rank=1, population_batching=True) if args.population_batching else {}))
             executor = RayExecutor(config, task, str(path))
             elapsed, evaluating = [], []
             for iteration in range(args.iterations + 1):

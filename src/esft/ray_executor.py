@@ -1,15 +1,17 @@
 """The Ray executor (`--executor ray --workers K`): K actors, each hosting one engine.
 
 Traffic is seeds and scalars only. Each actor loads the model itself and holds the task (datasets
-and reward functions); per member it receives (member seed, prompt-batch id) and returns the
-member's rewards. Members are handed out one at a time to whichever actor is free, so a fast actor
-takes more. Every actor applies the same update from (seeds, coefficients) and reports the
+and reward functions); per piece of work it receives (member seeds, prompt-batch id) and returns the
+members' rewards. Members are handed out one at a time to whichever actor is free, so a fast actor
+takes more; with --population-batching each actor instead gets an equal share of the population
+and evaluates it in one batched generate call per mini-batch (esft.engines.population). Every actor applies the same update from (seeds, coefficients) and reports the
 checksum of its weights; they must agree every iteration, or the run stops naming the actors.
 
 Fault tolerance: if an actor dies, the member it was evaluating goes back in the queue for the
 others, and a replacement actor is started and synchronised (base weights + the log of updates
 when the log is short; otherwise the weights of a live actor), then checked against the agreed
-checksum before it takes work. Rewards depend only on (weights, seed, batch), so the iteration
+checksum before it takes work; a dead actor's share is re-run whole. Rewards depend only on
+(weights, seed, batch), so the iteration
 finishes with exactly the rewards of a failure-free run.
 """
 
@@ -27,8 +29,8 @@ from typing import Any
 
 import ray
 
-from esft.config import ESConfig
-from esft.executor import MemberResult
+from esft.config import ConfigError, ESConfig
+from esft.executor import LocalExecutor, MemberResult
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,8 @@ class ESActor:
         self.task, self._batches = task, {}
         scorer = SimpleNamespace(task=task, args=self.args)
         scorer.rewards, scorer.accuracy = ESTrainer._build_reward_runners(scorer)
-        self._score = lambda rows, completions: ESTrainer._score(scorer, rows, completions)
+        self._local = LocalExecutor(self.engine, lambda rows, completions: ESTrainer._score(scorer, rows, completions),
+                                    self.args.sigma, population_batching=self.args.population_batching)
 
     def identity(self) -> tuple[int, str]:
         """(pid, node ip): names the actor in errors; the test kills the pid."""
@@ -79,16 +82,20 @@ class ESActor:
             self._batches = {batch_id: prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch_id)}
         return self._batches[batch_id]
 
-    def evaluate(self, seed: int, batch_id: int | None, rows=None) -> MemberResult:
-        """Perturb → generate → restore → score one member (the LocalExecutor's steps)."""
-        rows = self._rows(batch_id, rows)
-        self.engine.perturb(seed, self.args.sigma)
+    def evaluate(self, seeds: Sequence[int], batch_id: int | None, rows=None) -> list[MemberResult]:
+        """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
+        a time, or batched with --population-batching)."""
+        return self._local.evaluate_population(seeds, self._rows(batch_id, rows))
+
+    def population_batching_problem(self) -> str | None:
+        """Why this actor's model cannot evaluate members batched (None: it can)."""
+        from esft.engines.population import PopulationBatchingError, check_population_batching
+
         try:
-            generation = self.engine.generate([row["prompt"] for row in rows])
-        finally:
-            self.engine.restore()
-        scores = self._score(rows, generation.texts)
-        return MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens))
+            check_population_batching(self.engine)
+        except PopulationBatchingError as error:
+            return str(error)
+        return None
 
     def update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> str:
         self.engine.update(seeds, coefficients)
@@ -178,6 +185,11 @@ class RayExecutor:
         for slot, identity in zip(self.slots, identities):
             slot.identity = tuple(identity)
         self._checksum = self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
+        if args.population_batching:  # refuse a model the batched path would mis-evaluate, before training
+            problem = ray.get(self.slots[0].actor.population_batching_problem.remote())
+            if problem:
+                self.close()
+                raise ConfigError("population_batching", problem)
         self.engine = RayEngine(self)
 
     def _new_actor(self):
@@ -198,21 +210,24 @@ class RayExecutor:
 
     # ------------------------------------------------------------ members
     def evaluate_population(self, member_seeds: Sequence[int], rows: Sequence[dict[str, Any]]) -> list[MemberResult]:
-        """Every member once, on whichever actor is free; a dead actor's member is re-run elsewhere."""
+        """Every member once, on whichever actor is free; a dead actor's members are re-run elsewhere.
+        The unit of work is one member, or with --population-batching an equal share per actor."""
         self._ship_task()
         batch_id = getattr(rows, "batch_id", None)
         payload = None if batch_id is not None else list(rows)
-        pending = deque(range(len(member_seeds)))
+        share = -(-len(member_seeds) // len(self.slots)) if self.args.population_batching else 1
+        pending = deque(list(range(start, min(start + share, len(member_seeds))))
+                        for start in range(0, len(member_seeds), share))
         results: list[MemberResult | None] = [None] * len(member_seeds)
         idle = deque(self.slots)
-        running: dict[Any, tuple[_Slot, int]] = {}
+        running: dict[Any, tuple[_Slot, list[int]]] = {}
         starting: dict[Any, _Slot] = {}
         for slot in self.slots:
             slot.members = 0
         while pending or running:
             while pending and idle:
-                slot, index = idle.popleft(), pending.popleft()
-                running[slot.actor.evaluate.remote(member_seeds[index], batch_id, payload)] = (slot, index)
+                slot, indices = idle.popleft(), pending.popleft()
+                running[slot.actor.evaluate.remote([member_seeds[i] for i in indices], batch_id, payload)] = (slot, indices)
             if not running and not starting:
                 raise RuntimeError("no Ray actor is left to evaluate members")
             ready, _ = ray.wait(list(running) + list(starting), num_returns=1)
@@ -222,18 +237,21 @@ class RayExecutor:
                 if self._joined(slot, future, starting):
                     idle.append(slot)
                 continue
-            slot, index = running.pop(future)
+            slot, indices = running.pop(future)
             try:
-                results[index] = ray.get(future)
+                members = ray.get(future)
             except ray.exceptions.RayActorError as error:
-                self._report(f"{slot.name} died while evaluating member {index} ({type(error).__name__}); "
-                             "re-running its member on the other actors and starting a replacement")
-                pending.appendleft(index)
+                which = f"member{'s' if len(indices) > 1 else ''} {', '.join(map(str, indices))}"
+                self._report(f"{slot.name} died while evaluating {which} ({type(error).__name__}); "
+                             "re-running them on the other actors and starting a replacement")
+                pending.appendleft(indices)
                 starting[self._replace(slot)] = slot
                 continue
-            slot.members += 1
+            slot.members += len(indices)
             idle.append(slot)
-            self._member_done(slot, index)
+            for index, member in zip(indices, members):
+                results[index] = member
+                self._member_done(slot, index)
         # Replacements still starting join before the update, so every actor applies it.
         for future, slot in list(starting.items()):
             self._joined(slot, future, starting, wait=True)
