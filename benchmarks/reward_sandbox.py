@@ -1,6 +1,8 @@
 """Per-sample cost of running a fast reward function in the sandbox vs in-process.
 
-    OMP_NUM_THREADS=1 python scripts/bench_reward_sandbox.py [batch_size] [repeats]
+    OMP_NUM_THREADS=1 python benchmarks/reward_sandbox.py [batch_size] [repeats]
+
+Prints both costs, measured side by side in one run, and their ratio.
 
 A member's batch is one call into a worker process, so the sandbox adds a fixed cost per call
 (pickling the prompts, completions and columns through a pipe, and waking the worker) that is spread
@@ -39,7 +41,8 @@ def main() -> None:
     local = per_sample_seconds(in_process, rows, completions, repeats)
     sandboxed.close()
     print(f"batch {batch}: sandbox {box * 1e6:.1f} µs/sample, in-process {local * 1e6:.1f} µs/sample, "
-          f"overhead {(box - local) * 1e6:.1f} µs/sample ({(box - local) * batch * 1e3:.2f} ms per call)")
+          f"overhead {(box - local) * 1e6:.1f} µs/sample ({(box - local) * batch * 1e3:.2f} ms per call); "
+          f"ratio sandbox/in-process {box / local:.1f}")
 
 
 if __name__ == "__main__":
