@@ -102,3 +102,9 @@ def trl_uses_prompts_and_column(prompts, completions, solution, **kwargs):
 
 def slow_grade(completion, golds):
     time.sleep(3600)
+
+
+def token_count(completions, completion_ids, **kwargs):
+    """TRL passes the generated token ids as `completion_ids`: one reward per token generated."""
+    assert len(completion_ids) == len(completions)
+    return [float(len(ids)) for ids in completion_ids]

@@ -49,7 +49,7 @@ def pool(ray_cluster, tiny_model_dir):
     task = toy_task()
     executor = RayExecutor(args, task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
-                          lambda rows, texts: score([byte_reward], rows, texts), args.sigma)
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
     yield executor, local, args, task
     executor.close()
 
@@ -138,7 +138,7 @@ def test_population_batching_on_ray_shares_out_the_population_and_matches_local(
     lowrank = dict(SETTINGS, noise="lowrank", rank=2, population_batching=True)
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **lowrank)
     executor = RayExecutor(args, toy_task(), str(tiny_model_dir))
-    scorer = lambda rows, texts: score([byte_reward], rows, texts)  # noqa: E731
+    scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
     locals_ = {batched: LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12,
                                                                          noise="lowrank", rank=2),
                                       scorer, args.sigma, population_batching=batched) for batched in (True, False)}
@@ -189,7 +189,7 @@ def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
     executor = RayExecutor(args, task, str(path))
     try:
         local = LocalExecutor(TransformersEngine.from_pretrained(str(path), device="cpu", max_tokens=12),
-                              lambda rows, texts: score([byte_reward], rows, texts), args.sigma)
+                              lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
         seeds = strategy.ask(strategy.ESState(0, 0), 4)
         rows = prompt_batch(task.train_dataset, 0, args.batch_size, 0)
         ours = [m.reward for m in executor.evaluate_population(seeds, rows)]

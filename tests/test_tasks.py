@@ -186,6 +186,33 @@ def test_trl_style_reward_functions_work_unchanged_in_the_sandbox():
         runner.close()
 
 
+@pytest.mark.parametrize("batched", [False, True])
+def test_rewards_receive_the_generated_completion_ids(tiny_model_dir, batched):
+    """completion_ids as TRL passes them (generated ids up to and including EOS), in the sandbox, for
+    training members (one at a time and population-batched) and for evaluation."""
+    from esft.engines.transformers_engine import TransformersEngine
+    from esft.evaluation import EvalSettings, evaluate_split
+    from esft.executor import LocalExecutor
+
+    from esft.tasks.custom import check_reward_func
+
+    check_reward_func(R.token_count, set(), "the data")  # needs no such column: every call provides it
+    engine = TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=6,
+                                                noise="lowrank" if batched else "iid")
+    runner = RewardRunner([R.token_count], timeout=20)
+    try:
+        executor = LocalExecutor(engine, runner.score, 0.05, population_batching=batched)
+        rows = [{"prompt": p, "completion_ids": "a dataset column of that name is shadowed"} for p in ("ab", "c", "xyz")]
+        members = executor.evaluate_population([5, 6], rows)
+        assert [m.reward for m in members] == [m.num_tokens / len(rows) for m in members]
+        assert all(m.scores.errors == 0 for m in members)
+        metrics, records = evaluate_split(lambda prompts, sampling: engine.generate(prompts), rows, runner, None,
+                                          EvalSettings(batch_size=8, samples=1, temperature=0.0, top_p=1.0, seed=0))
+        assert metrics["reward"] == metrics["mean_length"] > 0
+    finally:
+        runner.close()
+
+
 def test_trl_rewards_package_if_installed():
     rewards = pytest.importorskip("trl.rewards")
     runner = RewardRunner([rewards.think_format_reward], timeout=60)

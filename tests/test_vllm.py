@@ -148,7 +148,7 @@ def test_same_seed_same_rewards_and_weights_as_transformers(vllm_engine, vllm_mo
     weights agree exactly (see README: they can differ where two logits tie to ~1e-6)."""
     reference = hf_engine(vllm_model_dir)
     rows = toy_rows(6)
-    scorer = lambda rows, texts: score([byte_reward], rows, texts)  # noqa: E731
+    scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
     executors = [LocalExecutor(vllm_engine, scorer, 0.05), LocalExecutor(reference, scorer, 0.05)]
     for iteration in range(2):
         seeds = strategy.ask(strategy.ESState(0, iteration), 6)

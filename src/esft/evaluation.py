@@ -67,10 +67,10 @@ def evaluate_split(
     sampling = Sampling(settings.temperature, settings.top_p, k, settings.seed)
     generation = generate([row["prompt"] for row in rows], sampling)
     expanded = [row for row in rows for _ in range(k)]  # Generation lists the K samples prompt by prompt
-    scores = rewards.score(expanded, generation.texts)
+    scores = rewards.score(expanded, generation.texts, generation.token_ids)
     metrics = {"reward": scores.mean(), "mean_length": sum(generation.num_tokens) / len(generation.num_tokens)}
     if accuracy is not None:
-        accuracies = scores.total if accuracy is rewards else accuracy.score(expanded, generation.texts).total
+        accuracies = scores.total if accuracy is rewards else accuracy.score(expanded, generation.texts, generation.token_ids).total
         metrics["accuracy"] = mean_of(accuracies) or 0.0
         correct = [value is not None and value > 0.5 for value in accuracies]
         if k > 1:

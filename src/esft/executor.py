@@ -11,7 +11,8 @@ from typing import Any
 from esft.engines.transformers_engine import Generation, Sampling
 from esft.rewards import Scores
 
-Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str]], Scores]
+Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str], Sequence[Sequence[int]]], Scores]
+"""scorer(rows, completions, completion_ids) -> Scores (RewardRunner.score)."""
 
 
 @dataclass
@@ -47,7 +48,7 @@ class LocalExecutor:
             from esft.engines.population import generate_population
 
             for seed, generation in zip(member_seeds, generate_population(self.engine, prompts, member_seeds, self.sigma)):
-                scores = self.scorer(rows, generation.texts)
+                scores = self.scorer(rows, generation.texts, generation.token_ids)
                 results.append(MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens)))
             return results
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
@@ -58,7 +59,7 @@ class LocalExecutor:
                     generation = self.engine.generate(prompts)
                 finally:
                     self.engine.restore()
-                pending.append((seed, generation, pool.submit(self.scorer, rows, generation.texts)))
+                pending.append((seed, generation, pool.submit(self.scorer, rows, generation.texts, generation.token_ids)))
                 if not self.overlap_rewards:
                     pending[-1][2].result()
             for seed, generation, future in pending:

@@ -66,8 +66,8 @@ class ESActor:
         self.task, self._batches = task, {}
         scorer = SimpleNamespace(task=task, args=self.args)
         scorer.rewards, scorer.accuracy = ESTrainer._build_reward_runners(scorer)
-        self._local = LocalExecutor(self.engine, lambda rows, completions: ESTrainer._score(scorer, rows, completions),
-                                    self.args.sigma, population_batching=self.args.population_batching)
+        self._local = LocalExecutor(self.engine, lambda *batch: ESTrainer._score(scorer, *batch), self.args.sigma,
+                                    population_batching=self.args.population_batching)
 
     def identity(self) -> tuple[int, str]:
         """(pid, node ip): names the actor in errors; the test kills the pid."""

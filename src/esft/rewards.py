@@ -1,7 +1,8 @@
 """Scoring completions with TRL-style reward functions: f(prompts, completions, **columns).
 
-Functions are called as TRL calls them: `f(prompts=..., completions=..., **columns)`, keywords only
-(a function without **kwargs receives just the columns it names). For chat-message prompts,
+Functions are called as TRL calls them: `f(prompts=..., completions=..., completion_ids=..., **columns)`,
+keywords only (a function without **kwargs receives just the arguments it names); `completion_ids` are
+the generated token ids of each completion, up to and including its EOS, when the caller has them. For chat-message prompts,
 `prompts` holds the original messages and each completion is `[{"role": "assistant", "content": ...}]`.
 
 Several functions are combined as a weighted sum per sample. A function's `None` for a sample means
@@ -66,9 +67,11 @@ def score(
     completions: Sequence[str],
     weights: Sequence[float] | None = None,
     failure_reward: float = 0.0,
+    completion_ids: Sequence[Sequence[int]] | None = None,
 ) -> Scores:
     """Run every reward function on the batch in-process and combine them."""
-    return RewardRunner(reward_funcs, weights, failure_reward=failure_reward, sandbox=False).score(rows, completions)
+    runner = RewardRunner(reward_funcs, weights, failure_reward=failure_reward, sandbox=False)
+    return runner.score(rows, completions, completion_ids)
 
 
 def mean_of(values: Sequence[float | None]) -> float | None:
@@ -132,12 +135,16 @@ class RewardRunner:
         self.pool: WorkerPool | None = None
         self._logged: set[tuple[str, str]] = set()
 
-    def score(self, rows: Sequence[dict[str, Any]], completions: Sequence[str]) -> Scores:
-        """Per-sample weighted sums of every function's rewards for these rows' completions."""
+    def score(self, rows: Sequence[dict[str, Any]], completions: Sequence[str],
+              completion_ids: Sequence[Sequence[int]] | None = None) -> Scores:
+        """Per-sample weighted sums of every function's rewards for these rows' completions
+        (`completion_ids`, their token ids, are passed on as TRL passes them)."""
         n = len(rows)
         prompts = [row.get(PROMPT_SOURCE, row["prompt"]) for row in rows]
         texts = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c for p, c in zip(prompts, completions, strict=True)]
         arguments = {"prompts": prompts, "completions": texts, **columns_of(rows)}
+        if completion_ids is not None:  # the generated ids win over a dataset column of that name
+            arguments["completion_ids"] = [list(ids) for ids in completion_ids]
         results: list[Any] = [None] * len(self.funcs)
         jobs, slots = [], []
         for i, (func, ref, accepted) in enumerate(zip(self.funcs, self.refs, self.accepted)):

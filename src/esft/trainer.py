@@ -151,8 +151,9 @@ class ESTrainer:
         """The --engine engine for `model` (a name, directory, loaded model or an engine): esft.factory."""
         return build_engine(self.args, model, tokenizer)
 
-    def _score(self, rows: Sequence[dict[str, Any]], completions: Sequence[str]):
-        return self.rewards.score(rows, completions)
+    def _score(self, rows: Sequence[dict[str, Any]], completions: Sequence[str],
+               completion_ids: Sequence[Sequence[int]] | None = None):
+        return self.rewards.score(rows, completions, completion_ids)
 
     def _batch(self, iteration: int) -> list[dict[str, Any]]:
         """The iteration's prompt batch (see prompt_batch)."""

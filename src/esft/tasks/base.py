@@ -6,8 +6,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# TRL's reward signature: f(prompts, completions, **columns) -> list[float | None]; None = no score.
+# TRL's reward signature: f(prompts, completions, completion_ids, **columns) -> list[float | None];
+# None = no score.
 RewardFunc = Callable[..., Sequence[float | None]]
+PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What every reward call provides besides the data's columns."""
 
 PROMPT_SOURCE = "_prompt_source"
 """Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward

@@ -19,7 +19,7 @@ from typing import Any
 
 from esft.rewards import reward_name
 from esft.sandbox import describe, load_module_from_file
-from esft.tasks.base import Task, TaskError
+from esft.tasks.base import PROVIDED_ARGUMENTS, Task, TaskError
 from esft.tasks.loading import apply_template, check_rows, dataset_columns, load_splits, train_split
 
 # The arguments a task factory may take (it receives those it names, or all with **kwargs).
@@ -69,7 +69,7 @@ def load_callable(spec: str, option: str) -> Callable:
 def check_reward_func(func: Any, columns: set[str], where: str, role: str = "reward function") -> None:
     """TaskError unless `func` can be called as f(prompts=..., completions=..., **columns) with
     `columns` (TRL's convention): it must take `completions`, take its arguments by keyword, and
-    every argument without a default must be `prompts`, `completions` or a column of the data."""
+    every argument without a default must be one of PROVIDED_ARGUMENTS or a column of the data."""
     name = reward_name(func)
     if not callable(func):
         raise TaskError(f"{role} {func!r} is not callable")
@@ -87,7 +87,7 @@ def check_reward_func(func: Any, columns: set[str], where: str, role: str = "rew
     if "completions" not in by_keyword and not takes_any:
         raise TaskError(f"{role} {name}{signature} has a wrong signature: it takes no 'completions' (nor **kwargs); {convention}")
     required = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
-    missing = [column for column in required if column not in ("prompts", "completions") and column not in columns]
+    missing = [column for column in required if column not in PROVIDED_ARGUMENTS and column not in columns]
     if missing:
         raise TaskError(f"{role} {name} needs column {missing[0]!r}, which {where} does not have "
                         f"(its columns: {', '.join(sorted(columns)) or 'none besides prompt'})")
