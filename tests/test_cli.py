@@ -332,3 +332,11 @@ def test_demo_preset_is_not_applied_over_a_yaml_setting(tmp_path):
     config_file.write_text("noise: iid\n")
     config, preset = resolve_config("train", {"config": str(config_file)})
     assert preset == {} and config.noise == "iid" and not config.population_batching
+
+
+def test_an_error_caused_by_the_demo_preset_says_so(tmp_path):
+    """Only norms trainable: low-rank noise has no matrix to perturb. The user typed no speed flag,
+    so the error names the preset and how to turn it off."""
+    proc, _ = esft("train", "--trainable", "norm", "--iterations", "1", "--eval-size", "4", "--logging", "none",
+                   "--no-progress", "--output-dir", str(tmp_path), cwd=tmp_path)
+    assert_user_error(proc, "--population-batching: no trainable matrix", "set by the demo preset", "--noise iid")

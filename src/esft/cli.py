@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
                 new_run_dir(config)  # an existing run directory fails here, before the model loads
             trainer = ESTrainer(args=config)
         except (TaskError, ConfigError, ImportError, FileNotFoundError) as error:
+            if preset and getattr(error, "name", None) in preset:  # the user never typed that flag
+                raise UserError(f"{error} (set by the demo preset {preset_flags(preset)}; pass --noise iid to "
+                                "turn the preset off)") from None
             raise UserError(str(error)) from None
         if preset:
             print(f"esft: demo preset: {preset_flags(preset)} (the fastest setting that keeps the demo's accuracy gain; "
