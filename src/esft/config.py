@@ -241,18 +241,16 @@ class ESConfig:
             "reward_workers": 1,
             "reward_memory_mb": 0,
             "rank": 1,
+            "tensor_parallel_size": 1,
+            "workers": 1,
+            "ray_cpus_per_worker": 0,
+            "ray_gpus_per_worker": 0,
         }
         for name, low in minimum.items():
             if getattr(self, name) < low:
                 raise ConfigError(name, f"must be >= {low}, got {getattr(self, name)}")
-        for name in ("tensor_parallel_size", "workers"):
-            if getattr(self, name) < 1:
-                raise ConfigError(name, f"must be >= 1, got {getattr(self, name)}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("ray_cpus_per_worker", "ray_gpus_per_worker"):
-            if getattr(self, name) < 0:
-                raise ConfigError(name, f"must be >= 0, got {getattr(self, name)}")
         if self.executor == "local" and self.workers != 1:
             raise ConfigError("workers", f"needs --executor ray (got --workers {self.workers} with --executor local)")
         for name in ("mini_batch_size", "save_total_limit", "max_model_len"):
@@ -279,10 +277,12 @@ class ESConfig:
             raise ConfigError(
                 "model", f"directory {self.model!r} does not exist; give a model directory or a hub id"
             )
+        from esft.tasks.loading import looks_like_path
+
         for name in ("train_data", "eval_data", "resume"):
             value = getattr(self, name)
             # train/eval data may also name a dataset in the local cache: checked when loaded
-            if value is not None and not Path(value).exists() and (name == "resume" or _data_path_like(value)):
+            if value is not None and not Path(value).exists() and (name == "resume" or looks_like_path(value)):
                 raise ConfigError(name, f"{value!r} does not exist; check the path")
         if (self.task == "custom") != bool(self.reward_funcs):
             raise ConfigError("task" if self.reward_funcs else "reward_funcs",
@@ -323,13 +323,6 @@ class ESConfig:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _data_path_like(value: str) -> bool:
-    """A data argument that cannot be a dataset name in the cache (a file suffix, ./, /, ~ ...)."""
-    return value.lower().endswith((".json", ".jsonl", ".csv", ".parquet")) or not re.fullmatch(
-        r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", value
-    )
 
 
 def _looks_like_path(model: str) -> bool:

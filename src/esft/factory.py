@@ -73,10 +73,9 @@ def build_executor(args: ESConfig, task, scorer, engine_builder, model: Any = No
 
     engine = engine_builder()
     if args.population_batching:  # refuse a model the batched path would mis-evaluate, before training
-        from esft.engines.population import PopulationBatchingError, check_population_batching
+        from esft.engines.population import population_batching_problem
 
-        try:
-            check_population_batching(engine)
-        except PopulationBatchingError as error:
-            raise ConfigError("population_batching", str(error)) from None
+        problem = population_batching_problem(engine)
+        if problem:
+            raise ConfigError("population_batching", problem)
     return LocalExecutor(engine, scorer, args.sigma, population_batching=args.population_batching)

@@ -4,15 +4,15 @@ Traffic is seeds and scalars only. Each actor loads the model itself and holds t
 and reward functions); per piece of work it receives (member seeds, prompt-batch id) and returns the
 members' rewards. Members are handed out one at a time to whichever actor is free, so a fast actor
 takes more; with --population-batching each actor instead gets an equal share of the population
-and evaluates it in one batched generate call per mini-batch (esft.engines.population). Every actor applies the same update from (seeds, coefficients) and reports the
-checksum of its weights; they must agree every iteration, or the run stops naming the actors.
+and evaluates it in one batched generate call per mini-batch (esft.engines.population). Every
+actor applies the same update from (seeds, coefficients) and reports the checksum of its weights;
+they must agree every iteration, or the run stops naming the actors.
 
-Fault tolerance: if an actor dies, the member it was evaluating goes back in the queue for the
-others, and a replacement actor is started and synchronised (base weights + the log of updates
-when the log is short; otherwise the weights of a live actor), then checked against the agreed
-checksum before it takes work; a dead actor's share is re-run whole. Rewards depend only on
-(weights, seed, batch), so the iteration
-finishes with exactly the rewards of a failure-free run.
+Fault tolerance: if an actor dies, the member (or share) it was evaluating goes back in the queue
+for the others, and a replacement actor is started and synchronised (base weights + the log of
+updates when the log is short; otherwise the weights of a live actor), then checked against the
+agreed checksum before it takes work. Rewards depend only on (weights, seed, batch), so the
+iteration finishes with exactly the rewards of a failure-free run.
 """
 
 from __future__ import annotations
@@ -89,13 +89,9 @@ class ESActor:
 
     def population_batching_problem(self) -> str | None:
         """Why this actor's model cannot evaluate members batched (None: it can)."""
-        from esft.engines.population import PopulationBatchingError, check_population_batching
+        from esft.engines.population import population_batching_problem
 
-        try:
-            check_population_batching(self.engine)
-        except PopulationBatchingError as error:
-            return str(error)
-        return None
+        return population_batching_problem(self.engine)
 
     def update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> str:
         self.engine.update(seeds, coefficients)

@@ -1,9 +1,10 @@
 """Scoring completions with TRL-style reward functions: f(prompts, completions, **columns).
 
-Functions are called as TRL calls them: `f(prompts=..., completions=..., completion_ids=..., **columns)`,
-keywords only (a function without **kwargs receives just the arguments it names); `completion_ids` are
-the generated token ids of each completion, up to and including its EOS, when the caller has them. For chat-message prompts,
-`prompts` holds the original messages and each completion is `[{"role": "assistant", "content": ...}]`.
+Functions are called as TRL calls them: `f(prompts=..., completions=..., completion_ids=...,
+**columns)`, keywords only (a function without **kwargs receives just the arguments it names);
+`completion_ids` are the generated token ids of each completion, up to and including its EOS, when
+the caller has them. For chat-message prompts, `prompts` holds the original messages and each
+completion is `[{"role": "assistant", "content": ...}]`.
 
 Several functions are combined as a weighted sum per sample. A function's `None` for a sample means
 "no score here": that function is left out of the sample's sum, and a sample no function scored is

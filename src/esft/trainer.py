@@ -23,25 +23,20 @@ from esft.checkpoint import (
     save_checkpoint,
     write_text_atomic,
 )
-from esft.config import EMBEDDED_MODEL, ConfigError, ESConfig
-from esft.factory import build_engine, build_executor
+from esft.config import ConfigError, ESConfig
+from esft.factory import build_engine, build_executor, model_path
 from esft.metrics import MetricsLogger, check_backend
 from esft.evaluation import EvalSettings, evaluate_task
 from esft.rewards import RewardRunner, mean_of, reward_name
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects, task_label
-from esft.tasks.loading import check_rows, render_rows
+from esft.tasks.loading import render_rows
 
 
 def embedded_model_path() -> Path:
     """Directory of the tiny Countdown model shipped inside the package."""
     return Path(str(resources.files("esft") / "assets" / "countdown-tiny"))
-
-
-def _rows(dataset: Any, where: str) -> list[dict[str, Any]]:
-    """A list of dicts from a list of dicts or a `datasets.Dataset`, checked for a `prompt` column."""
-    return check_rows(dataset, where)
 
 
 def new_run_dir(args: ESConfig) -> Path:
@@ -131,8 +126,6 @@ class ESTrainer:
     def _load_tokenizer(self, model: Any):
         from transformers import AutoTokenizer
 
-        from esft.factory import model_path
-
         return AutoTokenizer.from_pretrained(model_path(self.args, model if isinstance(model, str) else None))
 
     def _build_reward_runners(self) -> tuple[RewardRunner, RewardRunner | None]:
@@ -197,7 +190,7 @@ class ESTrainer:
 
             base = self.args.base_model or self._kl_base
             if base is None:
-                base = str(embedded_model_path()) if self.args.model == EMBEDDED_MODEL else self.args.model
+                base = model_path(self.args)
             self._kl = KLScorer(model, self.engine.tokenizer, base)
         return self._kl
 

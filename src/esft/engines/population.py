@@ -31,7 +31,7 @@ from torch import nn
 
 from esft.engines.transformers_engine import Generation, generation_from_tokens
 from esft.lowrank import stacked_factors
-from esft.noise import LOW_RANK_SCHEMES
+from esft.noise import LOW_RANK_SCHEMES, perturbs
 
 
 class PopulationBatchingError(ValueError):
@@ -58,7 +58,8 @@ class LowRankPopulation:
         model = engine.model
         dtype = next(model.parameters()).dtype
         scale = sigma / math.sqrt(engine.rank)
-        perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable if param.dim() == 2}
+        perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable
+                     if perturbs(engine.noise, param.shape)}
         conv1d = _conv1d_type()
         factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._plan: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
@@ -173,19 +174,11 @@ def generate_population(
     """Greedy completions of `prompts` for every member (one Generation per member, prompts in
     order), all members in each generate call; `mini_batch_size` prompts (× members rows) per call."""
     check_population_batching(engine)
-    encoded = engine._encode(prompts)
-    count, size = len(member_seeds), mini_batch_size or engine.mini_batch_size or len(prompts)
-    prompt_length = encoded["input_ids"].shape[1]
+    count = len(member_seeds)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
     with LowRankPopulation(engine, member_seeds, sigma):
-        for start in range(0, len(prompts), size):
-            ids = encoded["input_ids"][start : start + size]
-            mask = encoded["attention_mask"][start : start + size]
-            output = engine.model.generate(
-                input_ids=ids.repeat(count, 1), attention_mask=mask.repeat(count, 1), generation_config=engine.greedy
-            )
-            rows = output[:, prompt_length:].tolist()
-            chunk = len(ids)
+        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count):
+            chunk = len(rows) // count
             for member, result in enumerate(results):
                 part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,
                                               engine.tokenizer)
@@ -199,6 +192,16 @@ def generate_population(
 _CHECKED = "_esft_population_checked"
 
 
+def population_batching_problem(engine) -> str | None:
+    """Why `engine`'s model cannot evaluate members batched (check_population_batching's message),
+    or None when it can: for callers that report it their own way (a ConfigError, a Ray reply)."""
+    try:
+        check_population_batching(engine)
+    except PopulationBatchingError as error:
+        return str(error)
+    return None
+
+
 @torch.no_grad()
 def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     """Once per engine: the batched forward's logits must match the sequential path's (weights
@@ -209,7 +212,7 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     if getattr(engine, _CHECKED, False):
         return
     model = engine.model
-    matrices = [engine.master[name] for _, name, param in engine.trainable if param.dim() == 2]
+    matrices = [engine.master[name] for _, name, param in engine.trainable if perturbs(engine.noise, param.shape)]
     if not matrices:
         raise PopulationBatchingError("no trainable matrix: low-rank noise perturbs matrices only")
     sigma = 0.3 * float(torch.stack([m.pow(2).mean().sqrt() for m in matrices]).mean())

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from esft import lowrank
-from esft.noise import LOW_RANK_SCHEMES, draw_noise
+from esft.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -166,12 +166,12 @@ class TransformersEngine:
         """θ ← master + σ·ε(member_seed), tensor by tensor, in the model dtype."""
         low_rank = self.noise in LOW_RANK_SCHEMES
         for index, name, param in self.trainable:
+            if not perturbs(self.noise, param.shape):
+                continue  # frozen under this scheme (low-rank: non-matrix tensors)
             # one fused pass into the weight itself when it is float32, else via scratch and a copy
             direct = param.dtype == torch.float32
             out = param if direct else self._scratch[name]
             if low_rank:
-                if param.dim() != 2:
-                    continue  # non-matrix tensors stay frozen under low-rank noise
                 lowrank.perturbed_matrix(self.master[name], member_seed, index, sigma, self.rank, self._generator, out)
             else:
                 noise = draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, self._scratch[name])
@@ -194,17 +194,17 @@ class TransformersEngine:
         matmul of the members' concatenated factors per matrix (esft.lowrank.accumulate_update).
         """
         for index, name, param in self.trainable:
-            if self.noise in LOW_RANK_SCHEMES:
-                if param.dim() == 2:
-                    lowrank.accumulate_update(self.master[name], index, member_seeds, coefficients, self.rank, self._generator)
-                    param.copy_(self.master[name])
+            if not perturbs(self.noise, param.shape):
                 continue
-            total = torch.zeros_like(self.master[name])
-            noise = self._scratch[name]
-            for member_seed, coefficient in zip(member_seeds, coefficients, strict=True):
-                draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, noise)
-                total.add_(noise, alpha=coefficient)
-            self.master[name].add_(total)
+            if self.noise in LOW_RANK_SCHEMES:
+                lowrank.accumulate_update(self.master[name], index, member_seeds, coefficients, self.rank, self._generator)
+            else:
+                total = torch.zeros_like(self.master[name])
+                noise = self._scratch[name]
+                for member_seed, coefficient in zip(member_seeds, coefficients, strict=True):
+                    draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, noise)
+                    total.add_(noise, alpha=coefficient)
+                self.master[name].add_(total)
             param.copy_(self.master[name])
 
     def master_state(self) -> dict[str, torch.Tensor]:
@@ -262,18 +262,24 @@ class TransformersEngine:
             config = GenerationConfig(**{**config.to_dict(), "num_return_sequences": sampling.n})
         if not sampling.greedy:
             torch.manual_seed(sampling.seed)
+        rows = [row for chunk in self.generated_chunks(prompts, mini_batch_size, config) for row in chunk]
+        return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
+
+    @torch.no_grad()
+    def generated_chunks(self, prompts: Sequence[str], mini_batch_size: int | None = None, config=None, copies: int = 1):
+        """Per generate call of `mini_batch_size` (default: the engine's) prompts, the generated token
+        rows (prompt cut off, padding kept). With `copies` > 1 each call holds that many copies of its
+        prompts, copy-major (rows [c·P, (c+1)·P) are copy c): population batching's layout."""
         encoded = self._encode(prompts)
         size = mini_batch_size or self.mini_batch_size or len(prompts)
-        rows: list[list[int]] = []
         prompt_length = encoded["input_ids"].shape[1]
         for start in range(0, len(prompts), size):
-            output = self.model.generate(
-                input_ids=encoded["input_ids"][start : start + size],
-                attention_mask=encoded["attention_mask"][start : start + size],
-                generation_config=config,
-            )
-            rows.extend(output[:, prompt_length:].tolist())
-        return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
+            ids = encoded["input_ids"][start : start + size]
+            mask = encoded["attention_mask"][start : start + size]
+            if copies > 1:
+                ids, mask = ids.repeat(copies, 1), mask.repeat(copies, 1)
+            output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config or self.greedy)
+            yield output[:, prompt_length:].tolist()
 
     # ----------------------------------------------------------------- saving
     def save_pretrained(self, path: str | Path) -> None:

@@ -91,8 +91,6 @@ class VLLMEngine:
         summaries = self._rpc("esft_setup", self.hf_params, cpu_gemm)
         self._unmapped = set(summaries[0]["unmapped"])
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
-        self.noise = noise
-        self.trainable_pattern = trainable
         self.configure(trainable=trainable, noise=noise)
 
     @classmethod
