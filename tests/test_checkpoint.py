@@ -44,12 +44,8 @@ def lively_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _toy_task_and_one_thread(monkeypatch):
+def _toy_task_and_one_thread(monkeypatch, one_torch_thread):
     monkeypatch.setitem(TASKS, "toy", make_toy_task)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the same as OMP_NUM_THREADS=1 in the subprocesses; kind to a shared CPU
-    yield
-    torch.set_num_threads(threads)
 
 
 def toy_args(model: Path, out: Path, run_name: str, *extra: str) -> list[str]:

@@ -34,12 +34,7 @@ SEEDS = [3, 141, 59, 2653]
 SIGMA = 0.05  # large enough that members' greedy completions differ on a tiny random model
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module", params=["tied", "untied"])
