@@ -64,9 +64,9 @@ def main() -> None:
 
     from esft import strategy
     from esft.config import ESConfig
-    from esft.ray_executor import RayExecutor
+    from esft.executors.ray_executor import RayExecutor
     from esft.tasks.base import Task
-    from esft.trainer import prompt_batch
+    from esft.batches import prompt_batch
     from tiny_model import build_tiny_model
     from toy_task import byte_reward, toy_rows
 

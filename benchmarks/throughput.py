@@ -63,10 +63,10 @@ class Bench:
         from transformers import LlamaForCausalLM  # noqa: F401  (import cost belongs to the libraries)
 
         import esft.engines.transformers_engine as te
-        from esft.executor import LocalExecutor
+        from esft.executors import LocalExecutor
         from esft.rewards import RewardRunner
         from esft.tasks.countdown_task import make_countdown_task
-        from esft.trainer import prompt_batch
+        from esft.batches import prompt_batch
 
         self.args = args
         self.rss_libraries = sampler.rss()
@@ -81,8 +81,8 @@ class Bench:
             self.rewards = RewardRunner([slow_countdown_reward], sandbox=True, workers=1)
         else:
             self.rewards = RewardRunner(task.reward_funcs, task.reward_weights, sandbox=False)
-        self.rows = prompt_batch(task.train_dataset, 0, args.batch, 0)
-        self.prompts = [row["prompt"] for row in self.rows]
+        self.batch = prompt_batch(task.train_dataset, 0, args.batch, 0)
+        self.rows, self.prompts = self.batch.rows, self.batch.prompts
         self.all_prompts = self.prompts * args.population  # member-major, as the batched path lays out its rows
         self.seq_size = args.seq_mini_batch_size or args.batch
         self.batched_size = args.batched_mini_batch_size or args.batch
@@ -141,7 +141,7 @@ class Bench:
         state = strategy.ESState(0, iteration)
         started = now()
         seeds = strategy.ask(state, self.args.population)
-        members = self.executor.evaluate_population(seeds, self.rows)
+        members = self.executor.evaluate_population(seeds, self.batch)
         evaluated = now()
         _, coefficients = strategy.tell(state, [m.reward for m in members], self.args.sigma / 2)
         self.executor.update(seeds, coefficients)

@@ -57,7 +57,7 @@ def build_model(name: str, tmp: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from esft.trainer import embedded_model_path
+    from esft.config import embedded_model_path
 
     if name in ("embedded", "30m"):
         path = embedded_model_path()

@@ -108,3 +108,26 @@ def token_count(completions, completion_ids, **kwargs):
     """TRL passes the generated token ids as `completion_ids`: one reward per token generated."""
     assert len(completion_ids) == len(completions)
     return [float(len(ids)) for ids in completion_ids]
+
+
+def returns_nothing(prompts, completions, **kwargs):
+    return []
+
+
+def forks_then_scores(prompts, completions, **kwargs):
+    """Calls os.fork(): two processes return from here. With a `pidfile` column the child writes its
+    pid there and never returns (it must die with its worker's process group)."""
+    pid = os.fork()
+    if pid == 0 and kwargs.get("pidfile"):
+        with open(kwargs["pidfile"][0], "a") as handle:
+            handle.write(f"{os.getpid()}\n")
+        time.sleep(3600)
+    return _good(completions)
+
+
+def kills_its_forkserver(prompts, completions, **kwargs):
+    """SIGTERM to the worker's parent: the multiprocessing forkserver."""
+    import signal
+
+    os.kill(os.getppid(), signal.SIGTERM)
+    return _good(completions)

@@ -24,11 +24,11 @@ from esft.checkpoint import (
     STATE_FILE,
     list_checkpoints,
     prune_checkpoints,
-    resolve_resume,
     save_checkpoint,
 )
 from esft.cli import main
 from esft.config import ESConfig
+from esft.runs import ResumeError, find_resume_point
 from esft.tasks import TASKS, TaskError
 from tiny_model import build_tiny_model
 from toy_task import byte_reward, make_toy_task, toy_rows
@@ -167,12 +167,14 @@ def test_resume_continues_bit_exactly(dtype, lively_model_dir, tmp_path, capsys)
     assert state["iteration"] == 4 and state["config"]["iterations"] == 4
 
 
-def test_resume_of_a_run_without_checkpoint_is_a_user_error(lively_model_dir, tmp_path, capsys):
+def test_resume_of_a_finished_run_continues_from_its_final_weights(lively_model_dir, tmp_path, capsys):
     run_in_process(toy_args(lively_model_dir, tmp_path, "r", "--iterations", "1", "--save-every", "0"))
     capsys.readouterr()
-    assert main(["train", "--resume", str(tmp_path / "r"), "--iterations", "2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"esft: error: --resume {tmp_path / 'r'}:") and "complete checkpoint" in err
+    assert main(["train", "--resume", str(tmp_path / "r"), "--iterations", "2"]) == 0
+    assert f"resumed from {tmp_path / 'r' / 'final'} at iteration 1" in capsys.readouterr().err
+    assert [row["iteration"] for row in metrics(tmp_path / "r")] == [0, 1, 2]
+    run_in_process(toy_args(lively_model_dir, tmp_path, "straight", "--iterations", "2", "--save-every", "0"))
+    assert_bitwise_equal(weights_of(tmp_path / "r" / "final"), weights_of(tmp_path / "straight" / "final"))
 
 
 # ------------------------------------------------------------------------------ atomicity
@@ -180,11 +182,11 @@ def _fake_checkpoint(directory: Path, iteration: int, complete: bool = True) -> 
     directory.mkdir(parents=True)
     (directory / "model.safetensors").write_bytes(b"weights")
     if complete:
-        (directory / STATE_FILE).write_text(json.dumps({"iteration": iteration}))
+        (directory / STATE_FILE).write_text(json.dumps({"iteration": iteration, "config": {}}))
     return directory
 
 
-def test_resolve_resume_picks_newest_complete_checkpoint(tmp_path):
+def test_resume_point_is_the_newest_complete_checkpoint(tmp_path):
     run = tmp_path / "run"
     _fake_checkpoint(run / "checkpoint-2", 2)
     _fake_checkpoint(run / "checkpoint-3", 3)
@@ -192,15 +194,15 @@ def test_resolve_resume_picks_newest_complete_checkpoint(tmp_path):
     _fake_checkpoint(run / "checkpoint-6", 6, complete=False)     # no trainer_state.json
     _fake_checkpoint(run / "checkpoint-7-old", 7)                 # not a checkpoint-<N> name
     (run / "checkpoint-8").write_text("a file, not a directory")
-    assert resolve_resume(run) == run / "checkpoint-3"
+    assert find_resume_point(run).checkpoint == run / "checkpoint-3"
     assert list_checkpoints(run) == [run / "checkpoint-2", run / "checkpoint-3"]
-    assert resolve_resume(run / "checkpoint-2") == run / "checkpoint-2"  # a checkpoint itself
+    assert find_resume_point(run / "checkpoint-2").checkpoint == run / "checkpoint-2"  # a checkpoint itself
     _fake_checkpoint(run / "checkpoint-10", 10)
-    assert resolve_resume(run) == run / "checkpoint-10"  # numeric order, not "checkpoint-3" > "checkpoint-10"
-    with pytest.raises(FileNotFoundError, match="complete checkpoint"):
-        resolve_resume(run / "checkpoint-6")
-    with pytest.raises(FileNotFoundError, match="complete checkpoint"):
-        resolve_resume(tmp_path)
+    assert find_resume_point(run).checkpoint == run / "checkpoint-10"  # numeric order, not "3" > "10"
+    with pytest.raises(ResumeError, match="neither a checkpoint nor a run directory"):
+        find_resume_point(run / "checkpoint-6")
+    with pytest.raises(ResumeError, match="neither a checkpoint nor a run directory"):
+        find_resume_point(tmp_path)
 
 
 class _Engine:
@@ -232,7 +234,9 @@ def test_save_checkpoint_is_all_or_nothing(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4"]
 
     saved = save_checkpoint(_Engine(), old, {"iteration": 4, "x": 1}, save_master=True)
-    assert saved == old and json.loads((old / STATE_FILE).read_text()) == {"iteration": 4, "x": 1}
+    state = json.loads((old / STATE_FILE).read_text())
+    assert saved == old and {k: state[k] for k in ("iteration", "x")} == {"iteration": 4, "x": 1}
+    assert sorted(state["files"]) == [MASTER_FILE, "model.safetensors"]  # digests of what was written
     assert (old / "model.safetensors").read_bytes() == b"new weights"
     assert torch.equal(load_file(str(old / MASTER_FILE))["w"], torch.ones(2))
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4"]
@@ -268,8 +272,10 @@ def test_estrainer_python_api(tiny_model_dir, tmp_path):
         calls.append(len(prompts))
         return [float(len(a)) for a in answer]
 
+    # in-process (no sandbox) so that `calls` sees every call; the sandboxed path: tests/test_user_rewards.py
     args = ESConfig(model="unused", population_size=2, batch_size=3, max_tokens=4, iterations=2, eval_batch_size=4,
-                    save_every=0, logging="none", progress=False, output_dir=str(tmp_path), run_name="api")
+                    save_every=0, logging="none", progress=False, output_dir=str(tmp_path), run_name="api",
+                    reward_sandbox=False)
     trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=[answer_length], args=args,
                         train_dataset=train, eval_dataset=evaluation)
     last = trainer.train()

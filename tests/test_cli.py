@@ -195,7 +195,8 @@ def test_eval_and_train_with_zero_iterations_only_evaluate(tiny_model_dir, tmp_p
         assert proc.returncode == 0, proc.stderr
         run_dir = tmp_path / name
         assert f"run directory: {run_dir}" in proc.stdout
-        assert "heldout accuracy before: 0.0%" in proc.stderr
+        assert "accuracy before" not in proc.stderr and "ES:" not in proc.stderr  # no training, no progress bar
+        assert "heldout accuracy: 0.0%" in proc.stdout
         assert not (run_dir / "final").exists()
         assert not list(run_dir.glob("checkpoint-*"))
         assert yaml.safe_load((run_dir / "config.yaml").read_text())["iterations"] == 0
@@ -293,6 +294,8 @@ def test_help_documents_every_setting(command, tmp_path):
     assert proc.returncode == 0, proc.stderr
     squashed = "".join(proc.stdout.split())  # argparse wraps lines (even at hyphens)
     for field in dataclasses.fields(ESConfig):
+        if command == "eval" and field.name == "iterations":
+            continue  # esft eval never trains (a test below: the flag is refused)
         flag = "--" + field.name.replace("_", "-")
         assert f"{flag} " in proc.stdout or f"{flag}," in proc.stdout, f"{flag} missing from --help"
         assert "".join(field.metadata["help"].split()) in squashed, f"help text of {flag} missing"
@@ -304,34 +307,44 @@ def test_help_documents_every_setting(command, tmp_path):
 PAPER = {"noise": "iid", "rank": 1, "population_batching": False, "mini_batch_size": None}
 
 
+LOWRANK = DEMO_PRESET
+
+
 @pytest.mark.parametrize(
-    "command, given, expected",
+    "command, given, expected, dropped",
     [
-        ("train", {}, DEMO_PRESET),                                    # `esft train`: the demo, fast
-        ("train", {"iterations": 3, "sigma": 2e-3}, DEMO_PRESET),      # ES hyperparameters keep it
-        ("train", {"model": "embedded"}, DEMO_PRESET),
-        ("train", {"noise": "iid"}, PAPER),                            # any speed setting: exactly what was asked
-        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated"}),
-        ("train", {"mini_batch_size": 4}, PAPER | {"mini_batch_size": 4}),
-        ("train", {"noise": "lowrank", "rank": 2}, PAPER | {"noise": "lowrank", "rank": 2}),
-        ("train", {"engine": "vllm"}, PAPER),
-        ("train", {"executor": "ray", "workers": 2}, PAPER),
-        ("train", {"model": "org/some-model"}, PAPER),                 # not the demo model: the paper's defaults
-        ("eval", {}, PAPER),                                           # nothing to speed up
+        ("train", {}, DEMO_PRESET, ""),                                   # `esft train`: the demo, fast
+        ("train", {"iterations": 3, "sigma": 2e-3}, DEMO_PRESET, ""),     # ES hyperparameters keep it
+        ("train", {"model": "embedded"}, DEMO_PRESET, ""),
+        ("train", {"mini_batch_size": 8}, DEMO_PRESET, ""),               # the preset's own value: nothing changes
+        ("train", {"mini_batch_size": 4}, LOWRANK | {"mini_batch_size": 4}, ""),  # a flag overrides its own value only
+        ("train", {"rank": 4}, LOWRANK | {"rank": 4}, ""),
+        ("train", {"workers": 1, "executor": "local"}, DEMO_PRESET, ""),  # defaults typed out change nothing
+        ("train", {"executor": "ray", "workers": 2}, DEMO_PRESET, ""),    # Ray actors batch their share
+        ("train", {"engine": "transformers"}, DEMO_PRESET, ""),
+        ("train", {"noise": "iid"}, PAPER | {"mini_batch_size": 8}, "--noise iid turns off the demo preset's --rank, --population-batching"),
+        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated", "mini_batch_size": 8}, "--noise correlated"),
+        ("train", {"population_batching": False}, LOWRANK | {"population_batching": False}, ""),
+        ("train", {"engine": "vllm"}, PAPER | {"mini_batch_size": 8}, "--engine vllm turns off the demo preset's --noise, --rank, --population-batching"),
+        ("train", {"model": "org/some-model"}, PAPER, ""),                 # not the demo model: the paper's defaults
+        ("eval", {}, PAPER, ""),                                           # nothing to speed up
     ],
 )
-def test_demo_preset_applies_only_to_the_untouched_demo(command, given, expected):
-    config, preset = resolve_config(command, dict(given))
+def test_demo_preset_applies_as_defaults(command, given, expected, dropped, capsys):
+    config, preset, _ = resolve_config(command, dict(given))
     assert {name: getattr(config, name) for name in PAPER} == expected
-    assert preset == (DEMO_PRESET if expected is DEMO_PRESET else {})
+    assert all(DEMO_PRESET[name] == value and name not in given for name, value in preset.items())  # defaults only
+    assert bool(preset) == (command == "train" and given.get("model", "embedded") == "embedded")
+    err = capsys.readouterr().err
+    assert (dropped in err) if dropped else "turns off" not in err
     assert ESConfig().noise == "iid" and not ESConfig().population_batching  # the API's defaults: the paper's
 
 
-def test_demo_preset_is_not_applied_over_a_yaml_setting(tmp_path):
+def test_demo_preset_values_from_a_yaml_file_count_as_given(tmp_path):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("noise: iid\n")
-    config, preset = resolve_config("train", {"config": str(config_file)})
-    assert preset == {} and config.noise == "iid" and not config.population_batching
+    config, preset, _ = resolve_config("train", {"config": str(config_file)})
+    assert preset == {"mini_batch_size": 8} and config.noise == "iid" and not config.population_batching
 
 
 def test_an_error_caused_by_the_demo_preset_says_so(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from esft.cli import main
 from esft.engines.logprobs import KLScorer, k3
-from esft.engines.transformers_engine import Generation
+from esft.engines.base import Generation
 from esft.evaluation import EvalSettings, evaluate_split, ks_for, pass_at_k
 from esft.rewards import RewardRunner
 from tiny_model import build_tiny_model

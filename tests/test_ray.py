@@ -16,12 +16,14 @@ from toy_task import byte_reward, toy_rows  # noqa: E402
 
 from esft import strategy  # noqa: E402
 from esft.config import ESConfig  # noqa: E402
+from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
-from esft.executor import LocalExecutor  # noqa: E402
-from esft.ray_executor import RayExecutor, ReplicaMismatch  # noqa: E402
+from esft.executors import LocalExecutor  # noqa: E402
+from esft.executors.ray_executor import RayExecutor, ReplicaMismatch  # noqa: E402
 from esft.rewards import score  # noqa: E402
 from esft.tasks.base import Task  # noqa: E402
-from esft.trainer import ESTrainer, prompt_batch  # noqa: E402
+from esft.batches import prompt_batch  # noqa: E402
+from esft.trainer import ESTrainer  # noqa: E402
 
 SETTINGS = dict(population_size=8, batch_size=4, max_tokens=12, sigma=0.05, device="cpu", logging="none", progress=False)
 
@@ -42,9 +44,10 @@ def toy_task() -> Task:
                 reward_funcs=[byte_reward])
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def pool(ray_cluster, tiny_model_dir):
-    """A RayExecutor with 2 actors, and a local engine kept in step with it as the reference."""
+    """A RayExecutor with 2 actors, and a local engine kept in step with it as the reference (fresh for
+    each test: tests kill actors, make them diverge, change the replay limit)."""
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **SETTINGS)
     task = toy_task()
     executor = RayExecutor(args, task, str(tiny_model_dir))
@@ -60,7 +63,7 @@ def step(pool, iteration: int, before_update=None):
     seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
     rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
     ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
-    theirs = [m.reward for m in local.evaluate_population(seeds, list(rows))]
+    theirs = [m.reward for m in local.evaluate_population(seeds, rows)]
     _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), theirs, args.alpha)
     if before_update is not None:
         before_update()
@@ -71,6 +74,7 @@ def step(pool, iteration: int, before_update=None):
 
 def test_members_are_shared_out_and_match_the_local_executor(pool):
     executor, local, _, _ = pool
+    assert isinstance(executor.engine, Engine)  # the Ray proxy keeps the engine contract
     ours, theirs = step(pool, 0)
     assert ours == theirs and len(set(ours)) > 1
     assert all(slot.members > 0 for slot in executor.slots)  # both actors took members
@@ -148,7 +152,7 @@ def test_population_batching_on_ray_shares_out_the_population_and_matches_local(
             rows = prompt_batch(toy_task().train_dataset, args.seed, args.batch_size, iteration)
             ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
             for local in locals_.values():
-                assert [m.reward for m in local.evaluate_population(seeds, list(rows))] == ours
+                assert [m.reward for m in local.evaluate_population(seeds, rows)] == ours
             assert len(set(ours)) > 1
             assert [slot.members for slot in executor.slots] == [4, 4]  # one equal share per actor
             _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), ours, args.alpha)
@@ -193,7 +197,7 @@ def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
         seeds = strategy.ask(strategy.ESState(0, 0), 4)
         rows = prompt_batch(task.train_dataset, 0, args.batch_size, 0)
         ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
-        assert ours == [m.reward for m in local.evaluate_population(seeds, list(rows))]
+        assert ours == [m.reward for m in local.evaluate_population(seeds, rows)]
         executor.update(seeds, [1e-2, -1e-2, 2e-2, 0.0])
         master = executor.engine.master_state()
         local.update(seeds, [1e-2, -1e-2, 2e-2, 0.0])

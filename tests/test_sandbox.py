@@ -10,11 +10,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import sandbox_rewards as R
 from esft.rewards import RewardRunner, score
-from esft.sandbox import FuncRef, WorkerPool, func_ref
+from esft.sandbox import WorkerPool
+from esft.usercode import ByReference, ByValue, ship
 from esft.tasks.countdown import countdown_reward
 
 TESTS = Path(__file__).parent
@@ -85,24 +87,27 @@ def test_hang_crash_and_memory_fail_the_batch_and_the_pool_is_repaired(runner, c
 
 
 def test_timeout_is_measured_per_call(runner):
+    """One deadline for the whole call: 8 hanging samples time out together after ~0.5 s (a
+    per-sample timeout would take 8 × 0.5 s)."""
     r = runner(R.hangs_on_bad, timeout=0.5)
+    rows = [{"prompt": f"p{i}"} for i in range(8)]
     started = time.monotonic()
-    assert r.score(ROWS, MIXED).timeouts == 4
-    assert 0.5 <= time.monotonic() - started < 5
+    assert r.score(rows, ["BAD"] * 8).timeouts == 8
+    assert 0.5 <= time.monotonic() - started < 3.0
 
 
 def test_memory_cap_is_configurable_and_zero_disables_it():
     pool = WorkerPool(1, memory_mb=256)
     try:
-        (outcome,) = pool.run([(FuncRef("sandbox_rewards", "hogs_memory_on_bad"), ([], ["BAD"]), {})], timeout=10)
+        (outcome,) = pool.run([(ByReference("sandbox_rewards", "hogs_memory_on_bad"), ([], ["BAD"]), {})], timeout=10)
         assert outcome.kind == "error" and "MemoryError" in outcome.message
-        (limit,) = pool.run([(FuncRef("resource", "getrlimit"), (__import__("resource").RLIMIT_AS,), {})], timeout=10)
+        (limit,) = pool.run([(ByReference("resource", "getrlimit"), (__import__("resource").RLIMIT_AS,), {})], timeout=10)
         assert limit.value == (256 * 1024 * 1024,) * 2
     finally:
         pool.close()
     pool = WorkerPool(1, memory_mb=0)
     try:
-        (limit,) = pool.run([(FuncRef("resource", "getrlimit"), (__import__("resource").RLIMIT_AS,), {})], timeout=10)
+        (limit,) = pool.run([(ByReference("resource", "getrlimit"), (__import__("resource").RLIMIT_AS,), {})], timeout=10)
         assert limit.value[0] == __import__("resource").RLIM_INFINITY
     finally:
         pool.close()
@@ -137,52 +142,50 @@ def test_functions_are_combined_with_weights_and_reported_each():
 
 
 # ------------------------------------------------------------------- where functions run
-def test_user_functions_run_in_workers_and_trusted_or_unsendable_ones_in_process(runner, caplog):
+def test_user_functions_run_in_workers_and_trusted_ones_in_process(runner):
     assert runner(R.pid_reward).score(ROWS[:1], ["x"]).total[0] != os.getpid()
     assert runner(R.pid_reward, sandbox=False).score(ROWS[:1], ["x"]).total[0] == os.getpid()
-    assert func_ref(countdown_reward) is not None
-    assert runner(countdown_reward).refs == [None]  # trusted built-in: in-process, no sandbox overhead
-    closure_calls = []
+    assert isinstance(ship(R.pid_reward), ByReference)  # importable by name: sent as module + name
+    assert runner(countdown_reward).shipped == [None]  # trusted built-in: in-process, no sandbox overhead
+
+
+def test_closures_run_in_workers_and_only_the_unpicklable_run_in_process(runner, caplog):
+    offset = 10.0
 
     def closure(prompts, completions, **kwargs):
-        closure_calls.append(len(completions))
-        return [1.0] * len(completions)
+        return [offset + os.getpid()] * len(completions)
 
     r = runner(closure)
-    assert r.refs == [None] and r.score(ROWS, GOOD).total == [1.0] * 4 and closure_calls == [4]
-    assert any("closure" in m and "runs in-process" in m for m in warnings_of(caplog))
+    assert isinstance(r.shipped[0], ByValue)
+    assert r.score(ROWS, GOOD).total[0] not in (offset + os.getpid(), None)  # computed in a worker
+    lock = __import__("threading").Lock()
+
+    def holds_a_lock(prompts, completions, **kwargs):
+        with lock:
+            return [float(os.getpid())] * len(completions)
+
+    r = runner(holds_a_lock)
+    assert r.shipped == [None] and r.score(ROWS, GOOD).total == [float(os.getpid())] * 4
+    warned = [m for m in warnings_of(caplog) if "holds_a_lock" in m]
+    assert len(warned) == 1 and "runs in-process" in warned[0] and "cannot be pickled" in warned[0]
+    assert len(warned[0].splitlines()) == 1
 
 
-def test_functions_of_a_main_script_and_of_a_file_load_in_workers(tmp_path):
-    """`python script.py` puts reward functions in __main__; workers load the file, never re-run main."""
-    script = tmp_path / "script.py"
-    script.write_text(
-        "import os\n"
-        "from esft.rewards import RewardRunner\n"
-        "def main_reward(prompts, completions, **kwargs):\n"
-        "    return [float(os.getpid())] * len(completions)\n"
-        "if __name__ == '__main__':\n"
-        "    runner = RewardRunner([main_reward], timeout=20)\n"
-        "    value = runner.score([{'prompt': 'p'}], ['c']).total[0]\n"
-        "    print(value != os.getpid(), runner.refs[0].module, runner.pool.replaced)\n"
-        "    runner.close()\n"
-    )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.split() == ["True", "__main__", "0"]
-
-
-# ------------------------------------------------------------------------ overhead
 # ---------------------------------------------------------------- a run that continues
 def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
+    """One function crashes or hangs on some iterations while another scores: the run goes on."""
+    order = np.random.default_rng([0, 1, 0]).permutation(4)  # the first epoch's order (esft.batches)
+    prompts = [""] * 4
+    for position, prompt in zip(order, ["a", "CRASH me", "HANG me", "b"]):  # iterations 1..4 see them in turn
+        prompts[position] = prompt
     data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in ["CRASH me", "HANG me", "a", "b"]))
+    data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "c", "answer": "1"}) + "\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    funcs = ",".join(f"{TESTS / 'sandbox_rewards.py'}:{name}" for name in ("misbehaves_on_prompt", "length_reward"))
     proc = subprocess.run(
         [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(data),
-         "--eval-data", str(tmp_path / "eval.jsonl"), "--reward-funcs", f"{TESTS / 'sandbox_rewards.py'}:misbehaves_on_prompt",
+         "--eval-data", str(tmp_path / "eval.jsonl"), "--reward-funcs", funcs,
          "--population-size", "2", "--batch-size", "1", "--iterations", "4", "--max-tokens", "3", "--reward-timeout", "1",
          "--failure-reward", "-5", "--logging", "none", "--no-progress", "--save-every", "0", "--output-dir",
          str(tmp_path), "--run-name", "run"],
@@ -192,10 +195,13 @@ def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [0, 1, 2, 3, 4]
     training = rows[1:]
-    # each row is used once (batch 1, 4 rows, 4 iterations); 2 members score it
-    assert sorted(row["reward/errors"] for row in training) == [0, 0, 0, 2]
-    assert sorted(row["reward/timeouts"] for row in training) == [0, 0, 0, 2]
-    assert sorted(row["reward/mean"] for row in training)[:2] == [-5.0, -5.0]
-    assert rows[-1]["eval/eval/reward"] == 3.0  # the eval row scores normally: len("c") + 2
+    assert [row["reward/errors"] for row in training] == [0, 2, 0, 0]  # 2 members score each row
+    assert [row["reward/timeouts"] for row in training] == [0, 0, 2, 0]
+    assert [row["rewards/misbehaves_on_prompt/mean"] for row in training][1:3] == [-5.0, -5.0]
+    assert [row["rewards/misbehaves_on_prompt/failures"] for row in training] == [0, 2, 2, 0]
+    assert rows[-1]["eval/eval/reward"] >= 3.0  # the eval row scores normally: len("c") + 2, plus its length
     assert proc.stderr.count("misbehaves_on_prompt: worker process exited with code 1") == 1
     assert proc.stderr.count("misbehaves_on_prompt: no result within 1 s") == 1
+    # the end of the run says how it went
+    assert "reward function misbehaves_on_prompt failed on 4 of 8 samples" in proc.stderr
+    assert "reward failures: 4 samples got the failure reward" in proc.stdout

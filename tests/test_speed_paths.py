@@ -15,15 +15,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from esft import strategy
+from esft.batches import PromptBatch
 from esft.config import ConfigError, ESConfig
 from esft.engines.population import (
     LowRankPopulation,
     PopulationBatchingError,
     check_population_batching,
     generate_population,
+    population_batching_problem,
 )
 from esft.engines.transformers_engine import TransformersEngine
-from esft.executor import LocalExecutor
+from esft.executors import LocalExecutor
 from esft.noise import draw_noise, lowrank_factors, perturbs
 from esft.rewards import RewardRunner
 from tiny_model import build_tiny_model, build_tokenizer
@@ -158,7 +160,7 @@ def test_batched_greedy_completions_match_sequential(model_dir):
 
 def test_population_batching_executor_equals_sequential_executor(tmp_path):
     path = build_tiny_model(tmp_path / "model", initializer_range=0.3)
-    rows = toy_rows(4)
+    rows = PromptBatch(0, toy_rows(4))
     scorer = RewardRunner([byte_reward], sandbox=False).score
     sequential = LocalExecutor(load_engine(path, max_tokens=8), scorer, SIGMA)
     batched = LocalExecutor(load_engine(path, max_tokens=8), scorer, SIGMA, population_batching=True)
@@ -239,15 +241,35 @@ def test_batched_completions_match_sequential_across_architectures(architecture,
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_self_check_accepts_low_precision_models(model_dir, dtype):
-    check_population_batching(load_engine(model_dir, dtype=dtype))
+    engine = load_engine(model_dir, dtype=dtype)
+    assert population_batching_problem(engine) is None
+    assert getattr(engine, "_esft_population_checked")  # checked once, then trusted
 
 
-def test_config_rules():
-    assert ESConfig(noise="lowrank", rank=4, population_batching=True).rank == 4
-    with pytest.raises(ConfigError, match="--population-batching: needs --noise lowrank"):
-        ESConfig(population_batching=True)
-    with pytest.raises(ConfigError, match="--rank"):
-        ESConfig(noise="lowrank", rank=0)
-    assert ESConfig(noise="lowrank", population_batching=True, executor="ray", workers=2).population_batching
-    with pytest.raises(ConfigError, match="--noise"):
-        ESConfig(noise="lowrank", engine="vllm")
+def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_dir):
+    """A forward that reads a perturbed matrix directly (F.linear on the weight, not the module call)
+    never meets the hooks: the batched logits would miss that perturbation, so the model is refused."""
+    engine = load_engine(model_dir)
+    mlp = engine.model.model.layers[0].mlp
+
+    def forward(x):
+        return torch.nn.functional.linear(mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x), mlp.down_proj.weight)
+
+    mlp.forward = forward
+    problem = population_batching_problem(engine)
+    assert problem is not None and "differ from the sequential path" in problem
+
+
+@pytest.mark.parametrize("settings, accepted", [
+    (dict(noise="lowrank", rank=4, population_batching=True), True),
+    (dict(noise="lowrank", population_batching=True, executor="ray", workers=2), True),
+    (dict(population_batching=True), "--population-batching: needs --noise lowrank"),
+    (dict(noise="lowrank", rank=0), "--rank"),
+    (dict(noise="lowrank", engine="vllm"), "--noise"),
+])
+def test_config_rules(settings, accepted):
+    if accepted is True:
+        assert ESConfig(**settings).noise == "lowrank"
+    else:
+        with pytest.raises(ConfigError, match=accepted):
+            ESConfig(**settings)

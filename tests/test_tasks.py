@@ -20,7 +20,7 @@ import sandbox_rewards as R
 from esft.cli import main
 from esft.config import ESConfig
 from esft.rewards import RewardRunner
-from esft.sandbox import FuncRef
+from esft.usercode import ByReference as FuncRef
 from esft.tasks import TASKS
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
 from esft.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS, conciseness_reward, make_conciseness_task
@@ -192,8 +192,8 @@ def test_rewards_receive_the_generated_completion_ids(tiny_model_dir, batched):
     training members (one at a time and population-batched) and for evaluation."""
     from esft.engines.transformers_engine import TransformersEngine
     from esft.evaluation import EvalSettings, evaluate_split
-    from esft.executor import LocalExecutor
-
+    from esft.batches import PromptBatch
+    from esft.executors import LocalExecutor
     from esft.tasks.custom import check_reward_func
 
     check_reward_func(R.token_count, set(), "the data")  # needs no such column: every call provides it
@@ -203,7 +203,7 @@ def test_rewards_receive_the_generated_completion_ids(tiny_model_dir, batched):
     try:
         executor = LocalExecutor(engine, runner.score, 0.05, population_batching=batched)
         rows = [{"prompt": p, "completion_ids": "a dataset column of that name is shadowed"} for p in ("ab", "c", "xyz")]
-        members = executor.evaluate_population([5, 6], rows)
+        members = executor.evaluate_population([5, 6], PromptBatch(0, rows))
         assert [m.reward for m in members] == [m.num_tokens / len(rows) for m in members]
         assert all(m.scores.errors == 0 for m in members)
         metrics, records = evaluate_split(lambda prompts, sampling: engine.generate(prompts), rows, runner, None,

@@ -19,10 +19,12 @@ from tiny_model import build_tiny_model  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from esft import strategy  # noqa: E402
+from esft import strategy
+from esft.batches import PromptBatch  # noqa: E402
 from esft.config import ESConfig  # noqa: E402
+from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
-from esft.executor import LocalExecutor  # noqa: E402
+from esft.executors import LocalExecutor  # noqa: E402
 from esft.noise import draw_noise  # noqa: E402
 from esft.rewards import score  # noqa: E402
 
@@ -67,6 +69,7 @@ def live(engine: TransformersEngine) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("noise", ["iid", "correlated"])
 def test_same_seed_same_perturbation_as_transformers(vllm_engine, vllm_model_dir, noise):
+    assert isinstance(vllm_engine, Engine)  # keeps the engine contract (esft.engines.base)
     vllm_engine.configure(trainable=None, noise=noise)
     reference = hf_engine(vllm_model_dir, noise=noise)
     assert [name for _, name, _ in vllm_engine.trainable] == [name for _, name, _ in reference.trainable]
@@ -147,7 +150,7 @@ def test_same_seed_same_rewards_and_weights_as_transformers(vllm_engine, vllm_mo
     """float32 on CPU: both engines pick the same greedy tokens here, so rewards, updates and
     weights agree exactly (see README: they can differ where two logits tie to ~1e-6)."""
     reference = hf_engine(vllm_model_dir)
-    rows = toy_rows(6)
+    rows = PromptBatch(0, toy_rows(6))
     scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
     executors = [LocalExecutor(vllm_engine, scorer, 0.05), LocalExecutor(reference, scorer, 0.05)]
     for iteration in range(2):

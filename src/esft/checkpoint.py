@@ -3,7 +3,10 @@
 Written into a temporary sibling directory and renamed into place, so a crash never leaves a
 half-written `checkpoint-<N>` (resume only considers directories holding `trainer_state.json`,
 which is written last). Low-precision runs also store the float32 master (`master.safetensors`),
-which resume needs to continue bit-exactly.
+which resume needs to continue bit-exactly. `trainer_state.json` records a digest of every other
+file of the checkpoint and the checksum of the weights: `verify` checks the files before any model
+loads, `load_master` checks the weights once loaded, so a corrupted, truncated or incomplete
+checkpoint is never trained on.
 """
 
 from __future__ import annotations
@@ -12,40 +15,32 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from esft.files import directory_digests, file_digest, make_temporary_dir, write_text_atomic
 
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write a whole file or nothing: temp file in the same directory, fsync, rename."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from; the message says which file and why."""
 
 
 def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master: bool) -> Path:
-    """Write `directory` (e.g. run/checkpoint-10) atomically and return it."""
+    """Write `directory` (e.g. run/checkpoint-10) atomically and return it. `state` gets the digests
+    of the files written (`files`)."""
     directory = Path(directory)
-    tmp = Path(tempfile.mkdtemp(dir=directory.parent, prefix=f".{directory.name}.", suffix=".tmp"))
+    tmp = make_temporary_dir(directory.parent, directory.name)
     try:
         engine.save_pretrained(tmp)
         if save_master:
             from safetensors.torch import save_file
 
             save_file(engine.master_state(), str(tmp / MASTER_FILE))
+        state = {**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}
         write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
         if directory.exists():
             shutil.rmtree(directory)
@@ -61,45 +56,78 @@ def is_checkpoint(path: Path) -> bool:
     return Path(path).is_dir() and (Path(path) / STATE_FILE).is_file()
 
 
+def checkpoint_number(path: Path) -> int | None:
+    """N of a `checkpoint-<N>` directory name, else None."""
+    match = _CHECKPOINT.match(Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete `checkpoint-<N>` directories of a run, oldest first."""
     found = []
     for child in Path(run_dir).iterdir() if Path(run_dir).is_dir() else []:
-        match = _CHECKPOINT.match(child.name)
-        if match and is_checkpoint(child):
-            found.append((int(match.group(1)), child))
+        number = checkpoint_number(child)
+        if number is not None and is_checkpoint(child):
+            found.append((number, child))
     return [path for _, path in sorted(found)]
 
 
-def resolve_resume(path: str | Path) -> Path:
-    """A checkpoint directory itself, or the newest complete checkpoint of a run directory."""
-    path = Path(path)
-    if is_checkpoint(path):
-        return path
-    checkpoints = list_checkpoints(path)
-    if not checkpoints:
-        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with a complete checkpoint-<N>")
-    return checkpoints[-1]
-
-
 def read_state(checkpoint: Path) -> dict[str, Any]:
-    """The trainer state stored in a checkpoint."""
-    return json.loads((Path(checkpoint) / STATE_FILE).read_text())
+    """The trainer state stored in a checkpoint (CheckpointError if unreadable)."""
+    path = Path(checkpoint) / STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path} is unreadable ({error})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("config"), dict):
+        raise CheckpointError(f"{path} is not an esft trainer state (no iteration/config)")
+    return state
+
+
+def verify(checkpoint: Path) -> str | None:
+    """Why `checkpoint` cannot be resumed from (a missing, truncated or altered file), or None.
+    Checkpoints written before digests were recorded are checked for their files only."""
+    checkpoint = Path(checkpoint)
+    try:
+        state = read_state(checkpoint)
+    except CheckpointError as error:
+        return str(error)
+    files = state.get("files")
+    if files is None:  # an older checkpoint: the files that must be there
+        if not list(checkpoint.glob("model*.safetensors")):
+            return f"{checkpoint}: model.safetensors is missing"
+        if state["config"].get("dtype", "float32") != "float32" and not (checkpoint / MASTER_FILE).is_file():
+            return f"{checkpoint / MASTER_FILE} (the float32 master of a {state['config']['dtype']} run) is missing"
+        return None
+    for name, digest in sorted(files.items()):
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        if file_digest(path) != digest:
+            return f"{path} does not match the digest recorded when it was written (corrupted or altered)"
+    return None
 
 
 def load_master(checkpoint: Path, engine) -> None:
     """Give `engine` the checkpoint's weights: the float32 master if stored, else the model file
-    (float32 runs: there the saved weights are the master, bit for bit)."""
+    (float32 runs: there the saved weights are the master, bit for bit); then check that they are the
+    weights the checkpoint recorded (CheckpointError otherwise)."""
     from safetensors.torch import load_file
 
-    master_file = Path(checkpoint) / MASTER_FILE
+    checkpoint = Path(checkpoint)
+    master_file = checkpoint / MASTER_FILE
     if master_file.is_file():
         engine.load_master_state(load_file(str(master_file)))
-        return
-    weights: dict = {}
-    for shard in sorted(Path(checkpoint).glob("model*.safetensors")):
-        weights.update(load_file(str(shard)))
-    engine.load_master_state({name: tensor.float() for name, tensor in weights.items() if name in engine.master})
+    else:
+        weights: dict = {}
+        for shard in sorted(checkpoint.glob("model*.safetensors")):
+            weights.update(load_file(str(shard)))
+        wanted = set(engine.trainable_names())
+        engine.load_master_state({name: tensor.float() for name, tensor in weights.items() if name in wanted})
+    expected = read_state(checkpoint).get("checksum")
+    if expected is not None and engine.checksum() != expected:
+        raise CheckpointError(f"{checkpoint}: the loaded weights do not match the checksum recorded in {STATE_FILE} "
+                              "(a different model, dtype or --trainable than the run used?)")
 
 
 def prune_checkpoints(run_dir: Path, keep: int | None) -> None:

@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from esft.config import DEMO_PRESET, DEMO_PRESET_OVERRIDDEN_BY, ConfigError, ESConfig, demo_preset_for
+from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
 
 USER_ERROR = 2
+EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
+                 "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
+                 "dtype", "reward_sandbox", "reward_timeout", "reward_memory_mb", "reward_workers", "failure_reward")
+"""What `esft eval --model RUN/final` takes from the run's settings (flags override)."""
+_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
 class UserError(Exception):
@@ -33,23 +40,52 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, summary in (
         ("train", "Run ES fine-tuning (evaluates before and after)."),
-        ("eval", "Evaluate a model on a task's eval splits (same as train --iterations 0)."),
+        ("eval", "Evaluate a model on a task's eval splits (train without iterations). Given a run's checkpoint or "
+                 "final directory, it takes that run's task, data and generation settings (flags override)."),
     ):
         description = summary
         if name == "train":
-            description += (f" Demo preset: on the embedded model, unless you set any of {', '.join(_flags(DEMO_PRESET_OVERRIDDEN_BY))}, "
-                            f"train adds {preset_flags(DEMO_PRESET)} (same accuracy gain, faster; benchmarks/RESULTS.md). "
-                            "The defaults below are otherwise the paper's.")
+            description += (f" Demo preset: on the embedded model train uses {preset_flags(DEMO_PRESET)} as defaults "
+                            "(same accuracy gain, faster; benchmarks/RESULTS.md); each flag you give overrides its own "
+                            "value. The defaults below are otherwise the paper's.")
         sub = commands.add_parser(name, help=summary, description=description)
         sub.add_argument("--config", metavar="YAML", help="YAML file of settings (keys as the flags, with - or _); flags override it.", default=argparse.SUPPRESS)
+        groups = {group: sub.add_argument_group(group) for group in GROUPS}
         for field in dataclasses.fields(ESConfig):
+            if name == "eval" and field.name == "iterations":
+                continue  # eval never trains
             flag = "--" + field.name.replace("_", "-")
             help_text = f"{field.metadata['help']} [default: {field.default}]"
+            group = groups[field.metadata["group"]]
             if field.type == "bool":
-                sub.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
             else:
-                sub.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
+                group.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
     return parser
+
+
+def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The DEMO_PRESET values `esft train` adds on the embedded model, as defaults: a setting the user
+    gave overrides only its own value, and a preset value the user's choice makes impossible is
+    dropped. Returns (the values added, one line per value dropped and why)."""
+    if settings.get("model", EMBEDDED_MODEL) != EMBEDDED_MODEL:
+        return {}, []
+    preset = {name: value for name, value in DEMO_PRESET.items() if name not in settings}
+    reasons = []
+    if settings.get("engine", "transformers") != "transformers":
+        reasons.append((f"--engine {settings['engine']}", ("noise", "rank", "population_batching"),
+                        "low-rank noise and population batching are transformers-engine paths"))
+    if settings.get("noise", "lowrank") != "lowrank":
+        reasons.append((f"--noise {settings['noise']}", ("rank", "population_batching"),
+                        "full-rank members cannot share one set of weights"))
+    if settings.get("population_batching") is False:
+        reasons.append(("--no-population-batching", (), ""))
+    dropped = []
+    for flag, names, why in reasons:
+        gone = [name for name in names if preset.pop(name, None) is not None]
+        if gone:
+            dropped.append(f"{flag} turns off the demo preset's {', '.join(_flags(gone))} ({why})")
+    return preset, dropped
 
 
 def _flags(names) -> list[str]:
@@ -61,13 +97,26 @@ def preset_flags(preset: dict[str, Any]) -> str:
     return " ".join(flag + ("" if value is True else f" {value}") for flag, value in zip(_flags(preset), preset.values()))
 
 
+def join_negative_numbers(argv: list[str]) -> list[str]:
+    """`--sigma -1e-3` → `--sigma=-1e-3`: argparse reads a value like -1e-3 as an unknown flag."""
+    joined: list[str] = []
+    for token in argv:
+        if joined and _NUMBER.match(token) and joined[-1].startswith("--") and "=" not in joined[-1]:
+            joined[-1] = f"{joined[-1]}={token}"
+        else:
+            joined.append(token)
+    return joined
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     import yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8")) or {}
     except OSError as error:
         raise UserError(f"--config {path}: cannot read it ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"--config {path}: not UTF-8 text (byte {error.start}); save it as UTF-8") from None
     except yaml.YAMLError as error:
         raise UserError(f"--config {path}: not valid YAML ({_yaml_problem(error)})") from None
     if not isinstance(data, dict):
@@ -107,31 +156,59 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
-def resolve_config(command: str, given: dict[str, Any]) -> tuple[ESConfig, dict[str, Any]]:
-    """checkpoint's config (when resuming) < --config YAML < flags; eval forces 0 iterations.
-    Also returns the demo preset's settings that `train` added (empty unless it applies)."""
+def _run_settings_of(model: str) -> tuple[dict[str, Any], Path] | None:
+    """The settings of the run whose checkpoint or final directory `model` is, if it is one."""
+    from esft.checkpoint import CheckpointError, is_checkpoint, read_state
+
+    path = Path(model).expanduser()
+    if not is_checkpoint(path):
+        return None
+    try:
+        config = read_state(path)["config"]
+    except CheckpointError:
+        return None
+    inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
+    inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
+    return inherited, path
+
+
+def resolve_config(command: str, given: dict[str, Any]):
+    """checkpoint's config (when resuming; for eval: the evaluated run's) < --config YAML < flags.
+    Returns (ESConfig, the demo preset's settings that `train` added, the ResumePoint or None)."""
+    from esft.runs import ResumeError, find_resume_point
+
     settings: dict[str, Any] = {}
     yaml_path = given.pop("config", None)
     from_yaml = _read_yaml(yaml_path) if yaml_path else {}
-    resume = given.get("resume", from_yaml.get("resume"))
-    if resume and command == "eval":
-        raise UserError(f"--resume: to evaluate a checkpoint, pass it as the model: esft eval --model {resume}")
+    if command == "eval" and (given.get("resume") or from_yaml.get("resume")):
+        checkpoint = given.get("resume") or from_yaml.get("resume")
+        raise UserError(f"--resume: to evaluate a checkpoint, pass it as the model: esft eval --model {checkpoint}")
+    resume = given.get("resume", from_yaml.get("resume")) if command == "train" else None
+    point = None
     if resume:
-        from esft.checkpoint import read_state, resolve_resume
-
         try:
-            settings |= read_state(resolve_resume(resume))["config"]
-        except (FileNotFoundError, KeyError, ValueError) as error:
+            point = find_resume_point(resume)
+        except ResumeError as error:
             raise UserError(f"--resume {resume}: {error}") from None
-        settings.pop("run_name", None)
-        settings.pop("output_dir", None)
+        settings |= {k: v for k, v in point.config.items() if k not in ("run_name", "output_dir", "resume")}
+    model = given.get("model", from_yaml.get("model"))
+    if command == "eval" and model and (found := _run_settings_of(model)):
+        inherited, path = found
+        overridden = set(from_yaml) | set(given)
+        settings |= inherited
+        shown = ", ".join(f"{k}={v}" for k, v in inherited.items() if k not in overridden and v is not None)
+        print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
-    preset = demo_preset_for(settings) if command == "train" else {}
+    preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
+    for line in dropped:
+        print(f"esft: {line}", file=sys.stderr)
     settings |= preset
     if command == "eval":
+        if from_yaml.get("iterations"):
+            raise UserError(f"--config {yaml_path}: iterations: esft eval does not train; use esft train")
         settings["iterations"] = 0
     try:
-        return ESConfig(**settings), preset
+        return ESConfig(**settings), preset, point
     except ConfigError as error:
         raise UserError(str(error) + (f" (settings from {yaml_path})" if yaml_path and error.name in from_yaml else "")) from None
 
@@ -151,41 +228,61 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
             splits.setdefault(parts[1], []).append(f"{parts[2]} {value:.4g}")
     for split, items in splits.items():
         print(f"{split}: {', '.join(items)}")
+    if final.get("reward/failures_total"):
+        print(f"reward failures: {final['reward/failures_total']} samples got the failure reward (see above)")
     print(f"run directory: {trainer.run_dir}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_negative_numbers(list(sys.argv[1:] if argv is None else argv)))
     given = {k: v for k, v in vars(args).items() if k != "command"}
+    from esft.checkpoint import CheckpointError
+    from esft.engines.base import NonFiniteWeights
+    from esft.rewards import RewardError
     from esft.tasks.base import TaskError
 
+    run = None
     try:
-        config, preset = resolve_config(args.command, given)
-        from esft.trainer import ESTrainer, new_run_dir
+        config, preset, point = resolve_config(args.command, given)
+        from esft.runs import open_run
+        from esft.trainer import ESTrainer
 
         try:
-            if config.resume is None:
-                new_run_dir(config)  # an existing run directory fails here, before the model loads
-            trainer = ESTrainer(args=config)
+            run = open_run(config, point)  # claimed before the model loads: a busy directory fails fast
+            trainer = ESTrainer(args=config, run=run)
         except (TaskError, ConfigError, ImportError, FileNotFoundError) as error:
+            if run is not None:
+                run.discard_if_unused()
             if preset and getattr(error, "name", None) in preset:  # the user never typed that flag
                 raise UserError(f"{error} (set by the demo preset {preset_flags(preset)}; pass --noise iid to "
                                 "turn the preset off)") from None
             raise UserError(str(error)) from None
         if preset:
             print(f"esft: demo preset: {preset_flags(preset)} (the fastest setting that keeps the demo's accuracy gain; "
-                  "any of these flags, --engine or --executor turns it off, e.g. --noise iid for the paper's "
-                  "full-rank noise)", file=sys.stderr)
+                  "a flag you give overrides its value, --noise iid gives the paper's full-rank noise)", file=sys.stderr)
         try:
-            final = trainer.train() or trainer.initial_metrics
-        except (TaskError, ConfigError) as error:
+            final = trainer.train()
+        except (TaskError, ConfigError, CheckpointError, NonFiniteWeights) as error:
             raise UserError(str(error)) from None
+        except RewardError as error:
+            print(f"esft: error: {error.headline}", file=sys.stderr)
+            if error.failure.traceback:
+                print(error.failure.traceback, file=sys.stderr)
+            return USER_ERROR
         _print_summary(trainer, config, final)
     except UserError as error:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
+    except OSError as error:
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"esft: error: {error.strerror}{where}; free space or fix permissions, then "
+              f"{'--resume ' + str(run.path) if run else 'run again'}", file=sys.stderr)
+        return USER_ERROR
     except KeyboardInterrupt:
-        print("esft: interrupted; resume with --resume <run directory>", file=sys.stderr)
+        hint = f"resume with --resume {run.path}" if run is not None else "nothing was written"
+        print(f"esft: interrupted; {hint}", file=sys.stderr)
         return 130
     return 0
 

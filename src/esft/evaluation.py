@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esft.engines.transformers_engine import Sampling
-from esft.rewards import RewardRunner, mean_of
-from esft.tasks.base import PROMPT_SOURCE, Task
+from esft.engines.base import Sampling
+from esft.files import write_text_atomic
+from esft.rewards import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
+from esft.tasks.base import Task
 
 
 @dataclass
@@ -54,6 +55,12 @@ def ks_for(samples: int) -> list[int]:
     return ks + [samples]
 
 
+def _stop_if_unscorable(scores: Scores, split: str) -> None:
+    """An evaluation in which a function failed on every sample measures nothing: RewardError."""
+    for name, failure in failing_everywhere([scores]).items():
+        raise RewardError(name, failure, f"the evaluation of split {split!r}")
+
+
 def evaluate_split(
     generate: Callable[[Sequence[str], Sampling], Any],
     rows: Sequence[dict[str, Any]],
@@ -61,6 +68,7 @@ def evaluate_split(
     accuracy: RewardRunner | None,
     settings: EvalSettings,
     kl: Callable[[Sequence[str], Sequence[Sequence[int]]], list[list[float]]] | None = None,
+    split: str = "eval",
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Metrics (without the `eval/<split>/` prefix) and per-sample records of one split."""
     k = settings.samples
@@ -68,9 +76,12 @@ def evaluate_split(
     generation = generate([row["prompt"] for row in rows], sampling)
     expanded = [row for row in rows for _ in range(k)]  # Generation lists the K samples prompt by prompt
     scores = rewards.score(expanded, generation.texts, generation.token_ids)
+    _stop_if_unscorable(scores, split)
     metrics = {"reward": scores.mean(), "mean_length": sum(generation.num_tokens) / len(generation.num_tokens)}
     if accuracy is not None:
-        accuracies = scores.total if accuracy is rewards else accuracy.score(expanded, generation.texts, generation.token_ids).total
+        accuracy_scores = scores if accuracy is rewards else accuracy.score(expanded, generation.texts, generation.token_ids)
+        _stop_if_unscorable(accuracy_scores, split)
+        accuracies = accuracy_scores.total
         metrics["accuracy"] = mean_of(accuracies) or 0.0
         correct = [value is not None and value > 0.5 for value in accuracies]
         if k > 1:
@@ -115,11 +126,10 @@ def evaluate_task(
     """`eval/<split>/<metric>` for every eval split; per-sample JSONL in `samples_dir` if given."""
     metrics: dict[str, float] = {}
     for split, rows in task.eval_datasets.items():
-        split_metrics, samples = evaluate_split(generate, rows, rewards, accuracy, settings, kl if task.report_kl else None)
+        split_metrics, samples = evaluate_split(generate, rows, rewards, accuracy, settings, kl if task.report_kl else None,
+                                                split)
         metrics |= {f"eval/{split}/{name}": value for name, value in split_metrics.items()}
         if samples_dir is not None:
-            from esft.checkpoint import write_text_atomic
-
             samples_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(samples_dir / f"{split}.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
     return metrics

@@ -8,8 +8,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from esft.checkpoint import write_text_atomic
-
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -37,20 +35,23 @@ class MetricsLogger:
         if backend == "tensorboard":
             from torch.utils.tensorboard import SummaryWriter
 
-            # purge_step: a resumed run drops the events a crashed run logged after its checkpoint.
+            # purge_step: a resumed run hides the events the run logged after its checkpoint.
             self._writer = SummaryWriter(log_dir=str(run_dir), purge_step=resume_at + 1 if resume_at else None)
         elif backend == "wandb":
             import wandb
 
             self._wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "esft"), name=run_name, config=config, dir=str(run_dir))
 
-    def truncate_after(self, iteration: int) -> None:
-        """Drop rows logged after `iteration` (a resumed run repeats them), and any torn line a
-        crash left behind (a row cut off mid-write is not JSON)."""
-        if not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines() if (row_iteration := _iteration_of(line)) is not None and row_iteration <= iteration]
-        write_text_atomic(self.path, "".join(line + "\n" for line in kept))
+    def last_budget(self) -> dict[str, float]:
+        """The `budget/*` totals of the last row already logged (a resumed run counts on from them;
+        esft.runs has set aside the rows after the resume point)."""
+        budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                row = _row(line)
+                if row is not None and "budget/completions" in row:
+                    budget = {key: row.get(f"budget/{key}", budget[key]) for key in budget}
+        return budget
 
     def log(self, row: dict[str, Any]) -> None:
         """Append one row (must hold `iteration`); a row is written with one write call and flushed."""
@@ -74,11 +75,10 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def _iteration_of(line: str) -> int | None:
-    """The `iteration` of a metrics.jsonl line, None for a blank, torn or foreign line."""
+def _row(line: str) -> dict[str, Any] | None:
+    """A metrics.jsonl line as a dict, None for a blank, torn or foreign line."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError:
         return None
-    iteration = row.get("iteration") if isinstance(row, dict) else None
-    return iteration if isinstance(iteration, int) else None
+    return row if isinstance(row, dict) else None

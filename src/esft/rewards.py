@@ -11,27 +11,57 @@ Several functions are combined as a weighted sum per sample. A function's `None`
 left out of the member's mean; a member none of whose samples was scored gets `failure_reward`.
 Failures are not scores: NaN/inf, a non-number, an exception, a timeout or a crashed worker give
 that function's value for the sample(s) `failure_reward` (default 0), counted in `errors`/`timeouts`.
-User functions run in sandbox worker processes (esft.sandbox); trusted built-ins run in-process.
+User functions run in sandbox worker processes (esft.sandbox, shipped by esft.usercode); trusted
+built-ins run in-process. A round of scoring in which a function failed on every sample is what
+`failing_everywhere` finds; the trainer then stops with a RewardError (README: the reward sandbox).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from esft.sandbox import FuncRef, Outcome, WorkerPool, call_reward, describe, func_ref
-from esft.tasks.base import PROMPT_SOURCE, TRUSTED_ATTRIBUTE, RewardFunc
+from esft.reward_values import RewardCall, call_reward
+from esft.sandbox import Outcome, WorkerPool
+from esft.usercode import ByReference, NotShippable, describe, ship
 
 logger = logging.getLogger("esft")
+
+# TRL's reward signature: f(prompts, completions, completion_ids, **columns) -> list[float | None];
+# None = no score.
+RewardFunc = Callable[..., Sequence[float | None]]
+PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+"""What every reward call provides besides the data's columns."""
+PROMPT_SOURCE = "_prompt_source"
+"""Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
+functions receive the original, as in TRL; it is never passed as a column)."""
+TRUSTED_ATTRIBUTE = "__esft_trusted__"
+FAILURE_KINDS = {"error": "raised an exception", "invalid": "returned something other than numbers",
+                 "timeout": "timed out", "crash": "killed its worker process"}
+
+
+def trusted_reward(func):
+    """Mark a built-in reward function as trusted: it runs in-process, outside the sandbox."""
+    setattr(func, TRUSTED_ATTRIBUTE, True)
+    return func
 
 
 def reward_name(func: RewardFunc) -> str:
     """The name used in metrics (`rewards/<name>/mean`), as TRL names reward functions."""
     func = getattr(func, "func", func)  # functools.partial
     return getattr(func, "__name__", type(func).__name__)
+
+
+@dataclass
+class Failure:
+    """The first failure of one function in a batch: kind (a FAILURE_KINDS key), message, traceback."""
+
+    kind: str
+    message: str
+    traceback: str = ""
 
 
 @dataclass
@@ -48,12 +78,38 @@ class Scores:
     timeouts: int = 0
     """Failures from calls that passed the reward timeout."""
     failure_reward: float = 0.0
+    failed: dict[str, int] = field(default_factory=dict)
+    """Failed samples per function."""
+    first_failure: dict[str, Failure] = field(default_factory=dict)
 
     def mean(self) -> float:
         """Mean over scored samples; the failure reward when no sample was scored (so one member
         cannot poison the population's statistics)."""
         values = [v for v in self.total if v is not None]
         return sum(values) / len(values) if values else self.failure_reward
+
+
+def failing_everywhere(batches: Sequence[Scores]) -> dict[str, Failure]:
+    """{function: its first failure} for every function that failed on every sample of `batches`
+    (one round of scoring: an iteration's members, or an evaluation)."""
+    if not batches or not any(scores.total for scores in batches):
+        return {}
+    found = {}
+    for name in batches[0].per_function:
+        samples = sum(len(scores.total) for scores in batches)
+        if sum(scores.failed.get(name, 0) for scores in batches) == samples:
+            found[name] = next(scores.first_failure[name] for scores in batches if name in scores.first_failure)
+    return found
+
+
+class RewardError(RuntimeError):
+    """A reward function could not score anything: the run stops instead of training on noise."""
+
+    def __init__(self, name: str, failure: Failure, when: str, consequence: str = ""):
+        self.function, self.failure, self.when = name, failure, when
+        self.headline = (f"reward function {name} {FAILURE_KINDS.get(failure.kind, failure.kind)} on every sample of "
+                         f"{when} ({failure.message})" + (f"; {consequence}" if consequence else ""))
+        super().__init__(self.headline + (f"\n{failure.traceback}" if failure.traceback else ""))
 
 
 def columns_of(rows: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
@@ -93,17 +149,33 @@ def accepted_kwargs(func: RewardFunc) -> set[str] | None:
 
 
 def is_trusted(func: RewardFunc) -> bool:
-    """Built-in rewards marked with esft.tasks.base.trusted_reward run in-process."""
+    """Built-in rewards marked with trusted_reward run in-process."""
     return bool(getattr(func, TRUSTED_ATTRIBUTE, False))
 
 
-_CALL_REWARD = FuncRef("esft.sandbox", "call_reward")
+_CALL_REWARD = ByReference("esft.reward_values", "call_reward")
+
+
+def reward_runners(task: Any, args: Any) -> tuple[RewardRunner, RewardRunner | None]:
+    """The reward runner (and accuracy runner, if the task has an accuracy function) of a task
+    (reward_funcs, reward_weights, accuracy_func) with the sandbox settings of `args` (an ESConfig).
+    The trainer and every Ray actor score through these."""
+    options = dict(failure_reward=args.failure_reward, sandbox=args.reward_sandbox, timeout=args.reward_timeout,
+                   memory_mb=args.reward_memory_mb, workers=args.reward_workers)
+    rewards = RewardRunner(task.reward_funcs, task.reward_weights, **options)
+    if task.accuracy_func is None:
+        return rewards, None
+    if task.reward_funcs == [task.accuracy_func] and task.reward_weights in (None, [1.0]):
+        return rewards, rewards  # the reward is the accuracy: score once
+    return rewards, RewardRunner([task.accuracy_func], **options)
 
 
 class RewardRunner:
     """Scores batches with reward functions: untrusted ones in a sandbox WorkerPool (one call per
-    function per batch, with `timeout`), trusted ones and unsendable ones (lambdas, closures:
-    warned about once) in-process. Each kind of failure of each function is logged once."""
+    function per batch, with `timeout`; shipped by reference or by value, esft.usercode.ship),
+    trusted ones in-process, as is everything with sandbox=False. A callable that cannot be pickled
+    at all also runs in-process, said in one warning. Each kind of failure of each function is
+    logged once."""
 
     def __init__(
         self,
@@ -126,13 +198,17 @@ class RewardRunner:
         self.memory_mb = memory_mb
         self.workers = workers
         self.accepted = [accepted_kwargs(func) for func in self.funcs]
-        self.refs: list[Any] = []
+        self.shipped: list[Any] = []
+        """Per function: how it reaches the sandbox (esft.usercode Shipped), None = runs in-process."""
         for func, name in zip(self.funcs, self.names):
-            ref = func_ref(func) if sandbox and not is_trusted(func) else None
-            if sandbox and not is_trusted(func) and ref is None:
-                logger.warning("reward function %s cannot be sent to a worker process (a lambda or closure?): "
-                               "it runs in-process, without timeout or crash protection", name)
-            self.refs.append(ref)
+            shipped = None
+            if sandbox and not is_trusted(func):
+                try:
+                    shipped = ship(func)
+                except NotShippable as why:
+                    logger.warning("reward function %s runs in-process, without timeout or crash protection: it cannot "
+                                   "be pickled for a worker process (%s)", name, why)
+            self.shipped.append(shipped)
         self.pool: WorkerPool | None = None
         self._logged: set[tuple[str, str]] = set()
 
@@ -148,15 +224,15 @@ class RewardRunner:
             arguments["completion_ids"] = [list(ids) for ids in completion_ids]
         results: list[Any] = [None] * len(self.funcs)
         jobs, slots = [], []
-        for i, (func, ref, accepted) in enumerate(zip(self.funcs, self.refs, self.accepted)):
+        for i, (func, shipped, accepted) in enumerate(zip(self.funcs, self.shipped, self.accepted)):
             kwargs = arguments if accepted is None else {k: v for k, v in arguments.items() if k in accepted}
-            if ref is None:
+            if shipped is None:
                 try:
                     results[i] = Outcome("ok", call_reward(func, kwargs, n))
                 except Exception as error:  # noqa: BLE001 - MemoryError and friends from user code
                     results[i] = Outcome("error", message=describe(error))
             else:
-                jobs.append((_CALL_REWARD, (ref, kwargs, n), {}))
+                jobs.append((_CALL_REWARD, (shipped, kwargs, n), {}))
                 slots.append(i)
         if jobs:
             if self.pool is None:
@@ -165,27 +241,39 @@ class RewardRunner:
                 results[i] = outcome
         scores = Scores(total=[None] * n, failure_reward=self.failure_reward)
         for name, weight, outcome in zip(self.names, self.weights, results):
-            if outcome.ok:
-                values, errors, batch_error = outcome.value
-                for message in list(errors.values())[:1]:
-                    self._log_once(name, "error", message)
-                if batch_error and not errors:
-                    self._log_once(name, "batch failure", f"the batch call failed ({batch_error}) but every "
-                                   "sample alone succeeded; it is retried sample by sample each time")
-            else:
-                values, errors = [None] * n, dict.fromkeys(range(n), outcome.message)
-                self._log_once(name, "timeout" if outcome.kind == "timeout" else "error", outcome.message)
+            values, errors, failure = self._values(name, outcome, n)
             cleaned = [self.failure_reward if i in errors else value for i, value in enumerate(values)]
             if outcome.kind == "timeout":
                 scores.timeouts += len(errors)
             else:
                 scores.errors += len(errors)
+            scores.failed[name] = len(errors)
+            if failure is not None:
+                scores.first_failure[name] = failure
             scores.per_function[name] = cleaned
             for i, value in enumerate(cleaned):
                 if value is not None:
                     scores.total[i] = (scores.total[i] or 0.0) + weight * value
         scores.failures = scores.errors + scores.timeouts
         return scores
+
+    def _values(self, name: str, outcome: Outcome, n: int) -> tuple[list[float | None], dict[int, str], Failure | None]:
+        """One function's values, failed samples and first failure, logging each kind once."""
+        if not outcome.ok:
+            kind = {"timeout": "timeout", "crash": "crash"}.get(outcome.kind, "error")
+            self._log_once(name, "timeout" if kind == "timeout" else "error", outcome.message)
+            return [None] * n, dict.fromkeys(range(n), outcome.message), Failure(kind, outcome.message, outcome.traceback)
+        call = RewardCall(*outcome.value)
+        failure = None
+        if call.errors:
+            # the batch call's own error names the real lengths ("returned 0 values for 4 completions")
+            message = call.batch_error or next(iter(call.errors.values()))
+            failure = Failure("error" if call.traceback else "invalid", message, call.traceback)
+            self._log_once(name, "error", message)
+        elif call.batch_error:
+            self._log_once(name, "batch failure", f"the batch call failed ({call.batch_error}) but every "
+                           "sample alone succeeded; it is retried sample by sample each time")
+        return call.values, call.errors, failure
 
     def _log_once(self, name: str, kind: str, message: str) -> None:
         if (name, kind) in self._logged:

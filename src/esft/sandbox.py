@@ -1,47 +1,45 @@
 """Run untrusted code (user reward functions, math checks) in worker processes.
 
 A `WorkerPool` keeps up to `workers` long-lived processes (forkserver context on Linux, spawn
-elsewhere: never a fork of the torch-laden trainer). Each job is one call `target(*args, **kwargs)`
-with a deadline. A job that raises comes back as an error; one that passes its deadline has its
-worker killed (SIGKILL); one whose worker dies (os._exit, a segfault, the kernel's OOM killer) comes
-back as a crash. Dead or killed workers are replaced on the next job, so the caller never stalls.
-Workers cap their address space with RLIMIT_AS (`memory_mb`), ignore Ctrl-C (the trainer handles
-it) and import nothing heavy: only this module, the target's module and `preload`.
+elsewhere: never a fork of the torch-laden trainer, and never a re-run of the user's main program).
+Each job is one call `target(*args, **kwargs)` with a deadline; targets and callables among the
+arguments are `esft.usercode` Shipped values (by reference, or cloudpickled by value: sent once per
+worker, then named by key). A job that raises comes back as an error (with the traceback lines in
+the user's code); one that passes its deadline has its worker's whole process group killed
+(SIGKILL: children it started die too); one whose worker dies (os._exit, a segfault, the kernel's
+OOM killer) comes back as a crash. Dead or killed workers are replaced on the next job, and a dead
+forkserver is restarted, so the caller never stalls.
 
-Targets are `FuncRef`s (module, qualified name, and the file to load the module from when it is not
-importable by name, e.g. a `path/to/file.py` or the `__main__` script), or pickled callables.
+Every job carries an id and every reply names it: a reply that belongs to no job in flight (a
+forked copy of a worker answering twice) is dropped. Workers lead their own process group, cap
+their address space with RLIMIT_AS (`memory_mb`), ignore Ctrl-C (the trainer handles it), and a
+watchdog thread kills the group when the trainer process ends, however it ends (even SIGKILL).
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.util
+import itertools
 import multiprocessing
 import os
-import pickle
 import signal
 import sys
+import threading
 import time
-import traceback
 import types
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+from esft.usercode import ByValue, describe, resolve, user_traceback, worker_sys_path
+
 STARTUP_TIMEOUT = 120.0
 """Seconds a new worker may take to start and import `preload` (not counted against job timeouts)."""
-
-
-@dataclass(frozen=True)
-class FuncRef:
-    """A module-level function the worker imports by name (or loads from `file`)."""
-
-    module: str
-    qualname: str
-    file: str | None = None
+START_ATTEMPTS = 3
+"""Tries to start a worker (a forkserver killed by user code is restarted in between)."""
 
 
 @dataclass
@@ -51,87 +49,29 @@ class Outcome:
     kind: str
     value: Any = None
     message: str = ""
+    traceback: str = ""
+    """For errors: the traceback lines in the user's code (esft's own frames left out)."""
 
     @property
     def ok(self) -> bool:
         return self.kind == "ok"
 
 
-def func_ref(func: Callable) -> FuncRef | bytes | None:
-    """How to send `func` to a worker: a FuncRef for a module-level function, pickled bytes for
-    other picklable callables (functools.partial of functions, instances of module-level classes),
-    None when it cannot leave this process (lambdas, closures)."""
-    module_name = getattr(func, "__module__", None)
-    qualname = getattr(func, "__qualname__", "")
-    if module_name and qualname and "<" not in qualname and hasattr(func, "__code__"):
-        file = getattr(sys.modules.get(module_name), "__file__", None)
-        if module_name == "__main__" and not file:
-            return None  # an interactive session: nothing to import in a worker
-        return FuncRef(module_name, qualname, os.path.abspath(file) if file else None)
-    try:
-        return pickle.dumps(func)
-    except Exception:  # noqa: BLE001 - anything unpicklable stays in-process
-        return None
-
-
-_RESOLVED: dict[Any, Callable] = {}
-
-
-def resolve(ref: FuncRef | bytes | Callable) -> Callable:
-    """The callable behind a FuncRef or pickled bytes (cached per process). A FuncRef's module is
-    imported by name, else (the `__main__` script, a file loaded by path) loaded from its file."""
-    if callable(ref) and not isinstance(ref, FuncRef):
-        return ref
-    if ref in _RESOLVED:
-        return _RESOLVED[ref]
-    if isinstance(ref, bytes):
-        func = pickle.loads(ref)
-    else:
-        if ref.module == "__main__":
-            module = load_module_from_file(ref.file, "__esft_main__")
-        else:
-            try:
-                module = importlib.import_module(ref.module)
-            except ImportError:
-                if ref.file is None:
-                    raise
-                module = load_module_from_file(ref.file, ref.module)
-        func = module
-        for part in ref.qualname.split("."):
-            func = getattr(func, part)
-    _RESOLVED[ref] = func
-    return func
-
-
-def load_module_from_file(path: str, name: str):
-    """Import a Python file as module `name` (registered in sys.modules, so its functions pickle)."""
-    if name in sys.modules and os.path.abspath(getattr(sys.modules[name], "__file__", "") or "") == os.path.abspath(path):
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot load {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        sys.modules.pop(name, None)
-        raise
-    return module
-
-
-def describe(error: BaseException) -> str:
-    """`Type: message` plus the innermost frame, on one line."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    text = " ".join(str(error).split())
-    if len(text) > 300:
-        text = text[:300] + "..."
-    return f"{type(error).__name__}: {text}{where}" if text else f"{type(error).__name__}{where}"
-
-
 # ---------------------------------------------------------------------------------- worker side
-def _worker_main(conn, memory_mb: int, preload: Sequence[str]) -> None:
+def _watch_parent(liveness) -> None:
+    """Block until the trainer's end of `liveness` closes (the trainer exited or closed the pool),
+    then kill this worker's process group: the worker and whatever it started."""
+    try:
+        liveness.recv()
+    except (EOFError, OSError):
+        pass
+    os.killpg(0, signal.SIGKILL)
+
+
+def _worker_main(conn, liveness, memory_mb: int, preload: Sequence[str], sys_path: Sequence[str],
+                 environ: dict[str, str]) -> None:
+    os.setpgid(0, 0)  # lead a process group: a timeout kills the worker and every child it started
+    threading.Thread(target=_watch_parent, args=(liveness,), daemon=True, name="esft-watchdog").start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if memory_mb:
         try:
@@ -141,12 +81,16 @@ def _worker_main(conn, memory_mb: int, preload: Sequence[str]) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         except (ImportError, ValueError, OSError):  # not enforceable on this platform
             pass
+    sys.path[:0] = [entry for entry in sys_path if entry not in sys.path]
+    os.environ.clear()  # the trainer's environment now, not the forkserver's from when it started
+    os.environ.update(environ)
     for name in preload:  # "module" or "module:function" (called once, e.g. to warm caches)
         module_name, _, function = name.partition(":")
         module = importlib.import_module(module_name)
         if function:
             getattr(module, function)()
-    conn.send(("ready", os.getpid()))
+    pid = os.getpid()
+    conn.send(("ready", pid))
     while True:
         try:
             message = conn.recv()
@@ -154,44 +98,74 @@ def _worker_main(conn, memory_mb: int, preload: Sequence[str]) -> None:
             return
         if message is None:
             return
-        ref, args, kwargs = message
+        job_id, target, args, kwargs = message
         try:
-            reply = ("ok", resolve(ref)(*args, **kwargs), False)
+            reply = (job_id, "ok", resolve(target)(*args, **kwargs), False, "")
         except MemoryError as error:
-            reply = ("error", describe(error), True)  # the heap may be in a bad state: recycle
+            reply = (job_id, "error", describe(error), True, user_traceback(error))  # the heap may be broken: recycle
         except BaseException as error:  # noqa: BLE001 - SystemExit from user code is a failure too
-            reply = ("error", describe(error), False)
+            reply = (job_id, "error", describe(error), False, user_traceback(error))
+        if os.getpid() != pid:
+            os._exit(0)  # a copy made by os.fork() in user code: only the worker itself answers
         try:
             conn.send(reply)
         except Exception as error:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send(("error", f"result could not be sent back: {describe(error)}", False))
+            conn.send((job_id, "error", f"result could not be sent back: {describe(error)}", False, ""))
 
 
 # ---------------------------------------------------------------------------------- parent side
 class _Worker:
-    def __init__(self, context, memory_mb: int, preload: Sequence[str]):
+    def __init__(self, context, liveness, memory_mb: int, preload: Sequence[str]):
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=_worker_main, args=(child, memory_mb, tuple(preload)), daemon=True)
+        self.process = context.Process(target=_worker_main, daemon=True, name="esft-sandbox",
+                                       args=(child, liveness, memory_mb, tuple(preload), worker_sys_path(),
+                                             dict(os.environ)))
         # Hide __main__ while starting: spawn/forkserver children would re-run the parent's main script
-        # (a notebook, stdin, an unguarded script). Workers never need it: resolve() loads the file of
-        # a __main__ function itself.
+        # (a notebook, stdin, an unguarded script). Workers never need it: user code arrives by value.
         main = sys.modules.get("__main__")
         sys.modules["__main__"] = types.ModuleType("__main__")
         try:
             self.process.start()
         finally:
             sys.modules["__main__"] = main
-        child.close()
+            child.close()
         self.ready = False
         self.started = time.monotonic()
         self.job: int | None = None
+        """Index (in the current run) of the job in flight."""
+        self.job_id: int | None = None
         self.deadline = 0.0
+        self.known: set[str] = set()
+        """Keys of the ByValue callables this worker has already received."""
+        self.pending_keys: list[str] = []
+        """Keys the job in flight carries (known once it succeeds)."""
+        self.orphaned = False
+        """Its forkserver died (user code can kill it): its exit can then only be seen as the pipe's EOF."""
 
     def kill(self) -> None:
+        """SIGKILL the worker's process group (it and its children), then the worker itself."""
+        pid = self.process.pid
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass  # no such group: the worker is gone, or died before it made its group
         if self.process.is_alive():
             self.process.kill()
         self.process.join(5)
         self.conn.close()
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True  # no /proc: existence is all we can tell
 
 
 def _exit_message(process) -> str:
@@ -210,6 +184,20 @@ def default_context():
     return multiprocessing.get_context(method)
 
 
+def _strip_known(job: tuple, known: set[str]) -> tuple[tuple, list[str]]:
+    """The job with ByValue payloads this worker already holds left out; and the keys it carries."""
+    target, args, kwargs = job
+    keys = []
+
+    def light(value):
+        if isinstance(value, ByValue):
+            keys.append(value.key)
+            return value.without_payload() if value.key in known else value
+        return value
+
+    return (light(target), tuple(light(a) for a in args), kwargs), keys
+
+
 class WorkerPool:
     """Up to `workers` processes running jobs with per-job timeouts; repaired as it goes."""
 
@@ -221,7 +209,22 @@ class WorkerPool:
         self.workers: list[_Worker] = []
         self.replaced = 0
         """Workers killed or lost and replaced so far."""
-        self._finalizer = weakref.finalize(self, _kill_all, self.workers)
+        self.strays = 0
+        """Replies dropped because they belonged to no job in flight."""
+        self._ids = itertools.count()
+        # The trainer holds the writing end and never writes: it closes when the trainer exits.
+        self._liveness_reader, self._liveness_writer = self.context.Pipe(duplex=False)
+        self._finalizer = weakref.finalize(self, _kill_all, self.workers, self._liveness_writer)
+
+    def _start_worker(self) -> _Worker:
+        for attempt in range(START_ATTEMPTS):
+            try:
+                return _Worker(self.context, self._liveness_reader, self.memory_mb, self.preload)
+            except (OSError, EOFError) as error:  # e.g. user code killed the forkserver: it restarts
+                if attempt == START_ATTEMPTS - 1:
+                    raise RuntimeError(f"cannot start a sandbox worker process: {describe(error)}") from error
+                time.sleep(0.2 * (attempt + 1))
+        raise AssertionError("unreachable")
 
     def run(self, jobs: Sequence[tuple[Any, tuple, dict]], timeout: float) -> list[Outcome]:
         """Run every (target, args, kwargs) job; each gets `timeout` seconds once a worker has it."""
@@ -230,12 +233,19 @@ class WorkerPool:
         resent: dict[int, int] = {}
         while pending or any(w.job is not None for w in self.workers):
             while len(self.workers) < min(self.size, len(pending) + sum(w.job is not None for w in self.workers)):
-                self.workers.append(_Worker(self.context, self.memory_mb, self.preload))
+                try:
+                    self.workers.append(self._start_worker())
+                except RuntimeError as error:
+                    while pending:
+                        outcomes[pending.popleft()] = Outcome("crash", message=str(error))
+                    break
             for worker in self.workers:
                 if worker.process is not None and worker.ready and worker.job is None and pending:
                     index = pending.popleft()
+                    job, keys = _strip_known(jobs[index], worker.known)
+                    job_id = next(self._ids)
                     try:
-                        worker.conn.send(jobs[index])
+                        worker.conn.send((job_id, *job))
                     except (BrokenPipeError, EOFError, OSError):  # it died while idle: next worker
                         self._drop(worker)
                         resent[index] = resent.get(index, 0) + 1
@@ -247,7 +257,8 @@ class WorkerPool:
                     except Exception as error:  # noqa: BLE001 - arguments that do not pickle
                         outcomes[index] = Outcome("error", message=f"arguments could not be sent: {describe(error)}")
                         continue
-                    worker.job, worker.deadline = index, time.monotonic() + timeout
+                    worker.job, worker.job_id, worker.deadline = index, job_id, time.monotonic() + timeout
+                    worker.pending_keys = keys
             self.workers[:] = [w for w in self.workers if w.process is not None]
             self._wait(outcomes, pending, timeout)
         return outcomes  # type: ignore[return-value]
@@ -258,40 +269,13 @@ class WorkerPool:
         waitables = {}
         for worker in self.workers:
             waitables[worker.conn] = worker
-            waitables[worker.process.sentinel] = worker
+            if not worker.orphaned:
+                waitables[worker.process.sentinel] = worker
         if not waitables:
             return
         ready = wait(list(waitables), timeout=max(0.0, min(deadlines) - now) if deadlines else None)
-        done: set[int] = set()
-        for item in ready:
-            worker = waitables[item]
-            if id(worker) in done:
-                continue
-            done.add(id(worker))
-            try:
-                message = worker.conn.recv() if worker.conn.poll() else None
-            except (EOFError, OSError):
-                message = None
-            if message is not None and message[0] == "ready":
-                worker.ready = True
-                continue
-            if message is not None and worker.job is not None:
-                kind, value, recycle = message
-                outcomes[worker.job] = Outcome("ok", value) if kind == "ok" else Outcome("error", message=value)
-                worker.job = None
-                if recycle:
-                    self._drop(worker)
-                continue
-            if not worker.process.is_alive() or message is None:
-                worker.process.join(1)
-                if worker.job is not None:
-                    outcomes[worker.job] = Outcome("crash", message=_exit_message(worker.process))
-                    worker.job = None
-                elif not worker.ready:  # died while starting: fail what waits rather than loop
-                    text = f"worker failed to start ({_exit_message(worker.process)})"
-                    while pending:
-                        outcomes[pending.popleft()] = Outcome("crash", message=text)
-                self._drop(worker)
+        for worker in {id(waitables[item]): waitables[item] for item in ready}.values():
+            self._receive(worker, outcomes, pending)
         now = time.monotonic()
         for worker in [w for w in self.workers if w.process is not None]:
             if worker.job is not None and now >= worker.deadline:
@@ -303,6 +287,44 @@ class WorkerPool:
                 while pending:
                     outcomes[pending.popleft()] = Outcome("crash", message=f"worker did not start within {STARTUP_TIMEOUT:g} s")
         self.workers[:] = [w for w in self.workers if w.process is not None]
+
+    def _receive(self, worker: _Worker, outcomes, pending) -> None:
+        """Take every reply waiting on `worker`'s pipe; then, if it died, fail its job."""
+        closed = False
+        while worker.process is not None:
+            try:
+                message = worker.conn.recv() if worker.conn.poll() else None
+            except (EOFError, OSError):
+                message, closed = None, True
+            if message is None:
+                break
+            if message[0] == "ready":
+                worker.ready = True
+                continue
+            job_id, kind, value, recycle, detail = message
+            if worker.job is None or job_id != worker.job_id:
+                self.strays += 1  # not the job in flight: a duplicate from a forked copy, or late
+                continue
+            outcomes[worker.job] = Outcome("ok", value) if kind == "ok" else Outcome("error", message=value, traceback=detail)
+            if kind == "ok":
+                worker.known.update(worker.pending_keys)
+            worker.job = None
+            if recycle:
+                self._drop(worker)
+        if worker.process is None:
+            return
+        if not closed and not worker.orphaned and not worker.process.is_alive() and _pid_alive(worker.process.pid):
+            worker.orphaned = True  # the forkserver died, not the worker: watch its pipe from now on
+        if closed or (not worker.orphaned and not worker.process.is_alive()):
+            worker.process.join(1)
+            if worker.job is not None:
+                outcomes[worker.job] = Outcome("crash", message=_exit_message(worker.process))
+                worker.job = None
+            elif not worker.ready:  # died while starting: fail what waits rather than loop
+                text = f"worker failed to start ({_exit_message(worker.process)})"
+                while pending:
+                    outcomes[pending.popleft()] = Outcome("crash", message=text)
+            self._drop(worker)
 
     def _drop(self, worker: _Worker) -> None:
         worker.kill()
@@ -324,72 +346,11 @@ class WorkerPool:
         self.workers.clear()
 
 
-def _kill_all(workers: list[_Worker]) -> None:
+def _kill_all(workers: list[_Worker], liveness_writer) -> None:
     for worker in workers:
-        if worker.process is not None and worker.process.is_alive():
-            worker.process.kill()
-
-
-# ------------------------------------------------------------------------- reward calls
-def clean_values(raw: Any, n: int) -> tuple[list[float | None], dict[int, str]]:
-    """A reward function's return value as n floats/None plus {index: error} for non-numbers and
-    NaN/inf (failures). Raises ValueError when it is not a sequence of n values."""
-    if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__") or not hasattr(raw, "__iter__"):
-        raise ValueError(f"returned {_short(raw)} ({type(raw).__name__}); expected a list of {n} floats or None")
-    if len(raw) != n:
-        raise ValueError(f"returned {len(raw)} values for {n} completions")
-    values: list[float | None] = []
-    errors: dict[int, str] = {}
-    for index, value in enumerate(raw):
-        if value is None:
-            values.append(None)
-            continue
-        number = None
-        if not isinstance(value, (str, bytes)):
+        if worker.process is not None:
             try:
-                number = float(value)
-            except (TypeError, ValueError, OverflowError):
-                number = None
-        if number is None:
-            errors[index] = f"returned {_short(value)} ({type(value).__name__}), not a number"
-        elif number != number or number in (float("inf"), float("-inf")):
-            errors[index] = f"returned {number}"
-            number = None
-        values.append(number)
-    return values, errors
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def call_reward(ref: Any, kwargs: dict[str, list], n: int) -> tuple[list[float | None], dict[int, str], str | None]:
-    """Run a reward function on a batch: `func(**kwargs)`, every kwarg a list of n items.
-
-    Returns n values (None = no score or failed), {index: error message} for failed samples, and the
-    batch call's error if it failed: then every sample was retried alone, so one bad completion costs
-    only its own score. Runs in a worker (sandboxed) or in-process (trusted, --no-reward-sandbox).
-    """
-    func = resolve(ref)
-    try:
-        return (*clean_values(func(**kwargs), n), None)
-    except MemoryError:
-        raise
-    except Exception as error:  # noqa: BLE001 - user code may raise anything
-        batch_error = describe(error)
-    if n == 1:
-        return [None], {0: batch_error}, batch_error
-    values: list[float | None] = []
-    errors: dict[int, str] = {}
-    for index in range(n):
-        try:
-            (value,), one_error = clean_values(func(**{k: v[index : index + 1] for k, v in kwargs.items()}), 1)
-            if one_error:
-                errors[index] = one_error[0]
-        except MemoryError:
-            raise
-        except Exception as error:  # noqa: BLE001
-            value, errors[index] = None, describe(error)
-        values.append(value)
-    return values, errors, batch_error
+                os.killpg(worker.process.pid, signal.SIGKILL)
+            except OSError:
+                pass
+    liveness_writer.close()

@@ -4,83 +4,39 @@ from __future__ import annotations
 
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from esft import strategy
-from esft.checkpoint import (
-    list_checkpoints,
-    load_master,
-    prune_checkpoints,
-    read_state,
-    resolve_resume,
-    save_checkpoint,
-    write_text_atomic,
-)
-from esft.config import ConfigError, ESConfig
-from esft.factory import build_engine, build_executor, model_path
-from esft.metrics import MetricsLogger, check_backend
+from esft.batches import prompt_batch
+from esft.checkpoint import load_master, prune_checkpoints, save_checkpoint
+from esft.config import ESConfig, model_path
+from esft.engines import build_engine
+from esft.engines.base import NonFiniteWeights
 from esft.evaluation import EvalSettings, evaluate_task
-from esft.rewards import RewardRunner, mean_of, reward_name
+from esft.executors import build_executor
+from esft.files import make_temporary_dir
+from esft.metrics import MetricsLogger, check_backend
+from esft.rewards import RewardError, failing_everywhere, mean_of, reward_runners
+from esft.runs import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
-from esft.tasks.custom import is_spec, task_from_config, task_from_objects, task_label
-from esft.tasks.loading import render_rows
-
-
-def embedded_model_path() -> Path:
-    """Directory of the tiny Countdown model shipped inside the package."""
-    return Path(str(resources.files("esft") / "assets" / "countdown-tiny"))
-
-
-def new_run_dir(args: ESConfig) -> Path:
-    """The directory of a new (not resumed) run; ConfigError if an earlier run already used it."""
-    name = args.run_name or f"{task_label(args.task)}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}"
-    run_dir = Path(args.output_dir) / name
-    if list_checkpoints(run_dir):
-        raise ConfigError(
-            "run_name", f"{run_dir} already holds a run; pass --resume {run_dir} to continue it, or another --run-name"
-        )
-    if any((run_dir / entry).exists() for entry in ("final", "config.yaml", "metrics.jsonl")):
-        raise ConfigError(
-            "run_name",
-            f"{run_dir} already holds a run without a complete checkpoint to --resume from; "
-            "pass another --run-name or delete that directory",
-        )
-    return run_dir
-
-
-class PromptBatch(list):
-    """An iteration's rows, carrying the iteration as `batch_id`: the Ray executor sends only the id,
-    and its actors rebuild the same rows with prompt_batch."""
-
-    batch_id: int | None = None
-
-
-def prompt_batch(data: Sequence[dict[str, Any]], seed: int, size: int, iteration: int) -> PromptBatch:
-    """The iteration's prompt batch: consecutive slices of per-epoch shuffles of the train set,
-    a function of (seed, iteration) alone, so a resumed run sees the same batches."""
-    rows = PromptBatch()
-    for position in range(iteration * size, (iteration + 1) * size):
-        epoch, offset = divmod(position, len(data))
-        order = np.random.default_rng([seed, 1, epoch]).permutation(len(data))
-        rows.append(data[order[offset]])
-    rows.batch_id = iteration
-    return rows
+from esft.tasks.custom import is_spec, task_from_config, task_from_objects
+from esft.tasks.loading import check_prompt_lengths, render_rows
 
 
 class ESTrainer:
     """Fine-tune a causal LM with ES, in the spirit of TRL's trainers.
 
     `model` is a hub id, a local directory, "embedded", or a loaded transformers model; `reward_funcs`
-    are TRL-style `f(prompts, completions, **columns) -> list[float | None]`; datasets are rows with a
-    `prompt` column. Without reward functions and datasets, `args.task` supplies them.
+    are TRL-style `f(prompts, completions, **columns) -> list[float | None]` (any callable: defined in
+    a script, a notebook cell, a lambda...); datasets are rows with a `prompt` column. Without reward
+    functions and datasets, `args.task` supplies them. `run` is a run directory already claimed with
+    esft.runs.open_run (the CLI claims it before the model loads); by default train() claims one.
     """
 
     def __init__(
@@ -93,83 +49,48 @@ class ESTrainer:
         processing_class: Any = None,
         reward_weights: Sequence[float] | None = None,
         accuracy_func: RewardFunc | None = None,
+        run: RunDir | None = None,
     ):
         self.args = args = args if args is not None else ESConfig()
         self.task = self._build_task(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func)
+        if args.iterations > 0 and not self.task.train_dataset:
+            raise TaskError("training needs a train dataset (or --iterations 0 to only evaluate)")
         if args.logging != "none":
             check_backend(args.logging)
-        self.resume_checkpoint = resolve_resume(args.resume) if args.resume else None
+        self.rewards, self.accuracy = reward_runners(self.task, args)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
-        self.executor = build_executor(args, self.task, self._score, lambda: self._build_engine(model, processing_class), model)
+        self.executor = build_executor(args, self.task, self.rewards.score,
+                                       lambda: build_engine(args, model, processing_class), model)
         self.engine = self.executor.engine
-        # chat prompts need the tokenizer: the engine's, else (an engine in other processes) the model's
-        render_rows(self.task, getattr(self.engine, "tokenizer", None), lambda: self._load_tokenizer(model))
-        self.rewards, self.accuracy = self._build_reward_runners()
+        render_rows(self.task, self.engine.tokenizer)  # chat prompts become the text the model sees
+        check_prompt_lengths(self.task, self.engine.tokenizer, self.engine.max_length(), args.max_tokens)
         self._kl = None
         # KL's base for a model passed as an object: a CPU float32 copy of its weights before training
         self._kl_base = _cpu_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
         self.state = strategy.init(args.seed)
-        self.run_dir: Path | None = None
+        self.run = run
+        self.run_dir: Path | None = run.path if run is not None else None
         self.initial_metrics: dict[str, float] = {}
+        self.failure_totals: dict[str, dict[str, Any]] = {}
+        """Per reward function: failed and scored samples of this train() call, and the first failure."""
+        self._budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
         self._logger: MetricsLogger | None = None
 
-    # ------------------------------------------------------------------ setup
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         args = self.args
         if reward_funcs is None and train_dataset is None and eval_dataset is None:
             if args.task not in TASKS and args.task != "custom" and not is_spec(args.task):
-                raise ConfigError("task", f"unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
-                                  "or module:function / path/to/file.py:function")
+                raise TaskError(f"--task: unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
+                                "or module:function / path/to/file.py:function")
             return task_from_config(args, args.parsed_reward_weights())
         return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func)
-
-    def _load_tokenizer(self, model: Any):
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_path(self.args, model if isinstance(model, str) else None))
-
-    def _build_reward_runners(self) -> tuple[RewardRunner, RewardRunner | None]:
-        """Reward (and accuracy) scoring; user functions in the sandbox unless --no-reward-sandbox."""
-        args, task = self.args, self.task
-        options = dict(failure_reward=args.failure_reward, sandbox=args.reward_sandbox, timeout=args.reward_timeout,
-                       memory_mb=args.reward_memory_mb, workers=args.reward_workers)
-        rewards = RewardRunner(task.reward_funcs, task.reward_weights, **options)
-        if task.accuracy_func is None:
-            return rewards, None
-        if task.reward_funcs == [task.accuracy_func] and task.reward_weights in (None, [1.0]):
-            return rewards, rewards  # the reward is the accuracy: score once
-        return rewards, RewardRunner([task.accuracy_func], **options)
-
-    def _build_engine(self, model: Any, tokenizer: Any):
-        """The --engine engine for `model` (a name, directory, loaded model or an engine): esft.factory."""
-        return build_engine(self.args, model, tokenizer)
-
-    def _score(self, rows: Sequence[dict[str, Any]], completions: Sequence[str],
-               completion_ids: Sequence[Sequence[int]] | None = None):
-        return self.rewards.score(rows, completions, completion_ids)
-
-    def _batch(self, iteration: int) -> list[dict[str, Any]]:
-        """The iteration's prompt batch (see prompt_batch)."""
-        return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
-
-    def _open_run_dir(self) -> Path:
-        args = self.args
-        if self.resume_checkpoint is not None:
-            run_dir = self.resume_checkpoint.parent
-            args.output_dir, args.run_name = str(run_dir.parent), run_dir.name
-        else:
-            run_dir = new_run_dir(args)
-        run_dir.mkdir(parents=True, exist_ok=True)
-        import yaml
-
-        write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(args.to_dict(), sort_keys=False))
-        return run_dir
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:
         """Evaluate the current weights on every eval split (esft.evaluation: greedy unless
         --temperature/--eval-samples say otherwise); writes per-sample JSONL when a run directory is
-        open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`."""
+        open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`. RewardError if a
+        reward or accuracy function failed on every sample of a split."""
         args = self.args
         settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed)
         folder = None
@@ -188,47 +109,58 @@ class ESTrainer:
                 return None
             from esft.engines.logprobs import KLScorer
 
-            base = self.args.base_model or self._kl_base
-            if base is None:
-                base = model_path(self.args)
-            self._kl = KLScorer(model, self.engine.tokenizer, base)
+            self._kl = KLScorer(model, self.engine.tokenizer, self.args.base_model or self._kl_base or model_path(self.args))
         return self._kl
 
     # ------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
-        """Run ES for `args.iterations` updates (evaluating before and after); returns the last metrics."""
+        """Run ES for `args.iterations` updates (evaluating before and after); returns the last
+        metrics, with the run's reward failure counts. Resumes from `resume_from_checkpoint` (or
+        --resume): a checkpoint, or a run directory (esft.runs.find_resume_point)."""
         args = self.args
-        if resume_from_checkpoint is not None:
-            self.resume_checkpoint = resolve_resume(resume_from_checkpoint)
-        if args.iterations > 0 and not self.task.train_dataset:
-            raise TaskError("training needs a train dataset (or --iterations 0 to only evaluate)")
-        self.run_dir = self._open_run_dir()
-        if self.resume_checkpoint is not None:
-            load_master(self.resume_checkpoint, self.engine)
-            self.state = strategy.ESState(args.seed, read_state(self.resume_checkpoint)["iteration"])
-        self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=self.state.iteration)
-        if self.resume_checkpoint is not None:
-            self._logger.truncate_after(self.state.iteration)
-            print(f"resumed from {self.resume_checkpoint} at iteration {self.state.iteration}", file=sys.stderr)
-        else:
-            before = self.evaluate(0)
+        if self.run is None:
+            resume = resume_from_checkpoint or args.resume
+            self.run = open_run(args, find_resume_point(resume) if resume else None)
+        self.run_dir = self.run.path
+        try:
+            return self._train()
+        finally:
+            if self._logger is not None:
+                self._logger.close()
+            self.close()
+
+    def _train(self) -> dict[str, float]:
+        args, point = self.args, self.run.resume
+        self.run.write_config(args)
+        start = 0
+        if point is not None and point.checkpoint is not None:
+            load_master(point.checkpoint, self.engine)
+            start = point.iteration
+            for skipped in point.skipped:
+                print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
+            print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
+        self.state = strategy.ESState(args.seed, start)
+        self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=start)
+        self._budget = self._logger.last_budget()
+        if start == 0:
+            self.initial_metrics = before = self._evaluate_or_stop(start, "nothing was trained")
             self._logger.log({"iteration": 0, **before})
-            _report("before", before)
-            self.initial_metrics = before
+            if args.iterations:
+                _report("before", before)
         last: dict[str, float] = {}
-        progress = _progress(args, self.state.iteration)
+        progress = _progress(args, start)
         while self.state.iteration < args.iterations:
             started = time.perf_counter()
             seeds = strategy.ask(self.state, args.population_size)
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
-            rewards = [member.reward for member in members]
-            self.state, coefficients = strategy.tell(self.state, rewards, args.alpha, args.reward_shaping)
-            self.executor.update(seeds, coefficients)
-            elapsed = time.perf_counter() - started
-            last = self._iteration_metrics(members, elapsed)
+            self._stop_if_unscorable(members, first=self.state.iteration == start)
+            state, coefficients = strategy.tell(self.state, [member.reward for member in members], args.alpha, args.reward_shaping)
+            self._update(seeds, coefficients)
+            self.state = state
+            last = self._iteration_metrics(members, time.perf_counter() - started)
             final = self.state.iteration == args.iterations
             if final or (args.eval_every and self.state.iteration % args.eval_every == 0):
-                last |= self.evaluate()
+                last |= self._evaluate_or_stop(self.state.iteration, "the weights are in")
                 if final:
                     _report("after", last)
             self._logger.log(last)
@@ -238,22 +170,83 @@ class ESTrainer:
             progress.update(1)
             progress.set_postfix(reward=f"{last['reward/mean']:.3f}", max=f"{last['reward/max']:.3f}", tok_s=f"{last['perf/tokens_per_s']:.0f}")
         progress.close()
+        if not last and start == args.iterations > 0:  # resumed at the end: the final evaluation again
+            last = {"iteration": start, **self._evaluate_or_stop(start, "the weights are in")}
+            self._logger.log(last)
+            _report("after", last)
         if args.iterations > 0:
             self._save(self.run_dir / "final")
-        self._logger.close()
-        self.close()
-        return last
+        return (last or self.initial_metrics) | self._failure_summary()
+
+    def _batch(self, iteration: int):
+        return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
+
+    def _stop_if_unscorable(self, members, first: bool) -> None:
+        """RewardError when a reward function failed on every sample of the first iteration, or every
+        function on every sample of a later one (no update is applied; a checkpoint of the weights
+        before this iteration is written, unless the run is at its very start)."""
+        for name in self.rewards.names:
+            total = self.failure_totals.setdefault(name, {"failed": 0, "samples": 0, "first": None})
+            total["samples"] += sum(len(m.scores.total) for m in members)
+            total["failed"] += sum(m.scores.failed.get(name, 0) for m in members)
+            found = next((m.scores.first_failure[name] for m in members if name in m.scores.first_failure), None)
+            total["first"] = total["first"] or found
+        failing = failing_everywhere([member.scores for member in members])
+        if failing and (first or len(failing) == len(self.rewards.names)):
+            name, failure = next(iter(failing.items()))
+            raise RewardError(name, failure, f"iteration {self.state.iteration + 1}", self._stop_checkpoint())
+
+    def _stop_checkpoint(self, what: str = "the weights from before it are in") -> str:
+        """Write checkpoint-<iteration> (unless the run has not trained yet) and say how to go on."""
+        if self.state.iteration == 0:
+            return f"nothing was updated; fix it and run again, or --resume {self.run_dir} (same settings)"
+        checkpoint = self.run_dir / f"checkpoint-{self.state.iteration}"
+        if not (self.run.resume and self.run.resume.checkpoint == checkpoint):
+            self._save(checkpoint)
+        return f"{what} {checkpoint}; fix it and --resume {self.run_dir}"
+
+    def _evaluate_or_stop(self, iteration: int, what: str) -> dict[str, float]:
+        try:
+            return self.evaluate(iteration)
+        except RewardError as error:
+            consequence = self._stop_checkpoint(what) if iteration else "nothing was trained; fix it and run again"
+            raise RewardError(error.function, error.failure, error.when, consequence) from None
+
+    def _update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+        try:
+            self.executor.update(seeds, coefficients)
+        except NonFiniteWeights as error:
+            raise NonFiniteWeights(f"iteration {self.state.iteration + 1}: {error}; {self._stop_checkpoint()} "
+                                   "with a smaller --alpha or --sigma") from None
+
+    def _failure_summary(self) -> dict[str, Any]:
+        """Reward failure counts of this train() call (also printed: a run never ends silent about them)."""
+        summary: dict[str, Any] = {}
+        for name, total in self.failure_totals.items():
+            if total["failed"]:
+                summary[f"rewards/{name}/failures_total"] = total["failed"]
+                first = total["first"]
+                print(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
+                      + (f" (first: {first.message})" if first else ""), file=sys.stderr)
+        if summary:
+            summary["reward/failures_total"] = sum(summary.values())
+        return summary
 
     def close(self) -> None:
-        """Stop the reward sandbox workers (they restart if the trainer is used again)."""
+        """Stop the reward sandbox workers (they restart if the trainer is used again) and release
+        the run directory."""
         self.rewards.close()
         if self.accuracy is not None:
             self.accuracy.close()
+        if self.run is not None:
+            self.run.close()
 
     def _iteration_metrics(self, members, elapsed: float) -> dict[str, float]:
         rewards = np.array([m.reward for m in members])
         tokens = sum(m.num_tokens for m in members)
         completions = sum(len(m.scores.total) for m in members)
+        self._budget = {"completions": self._budget["completions"] + completions,
+                        "tokens": self._budget["tokens"] + tokens, "seconds": self._budget["seconds"] + elapsed}
         row = {
             "iteration": self.state.iteration,
             "reward/mean": float(rewards.mean()),
@@ -266,11 +259,13 @@ class ESTrainer:
             "reward/failures": sum(m.scores.failures for m in members),
             "reward/errors": sum(m.scores.errors for m in members),
             "reward/timeouts": sum(m.scores.timeouts for m in members),
+            **{f"budget/{key}": value for key, value in self._budget.items()},
         }
-        for func in self.task.reward_funcs:
-            values = [mean_of(m.scores.per_function[reward_name(func)]) for m in members]
+        for name in self.rewards.names:
+            values = [mean_of(m.scores.per_function[name]) for m in members]
             present = [v for v in values if v is not None]
-            row[f"rewards/{reward_name(func)}/mean"] = float(np.mean(present)) if present else 0.0
+            row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
+            row[f"rewards/{name}/failures"] = sum(m.scores.failed.get(name, 0) for m in members)
         return row
 
     # ----------------------------------------------------------------- saving
@@ -282,7 +277,7 @@ class ESTrainer:
         """Write the current weights and tokenizer, loadable with from_pretrained (atomically)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+        tmp = make_temporary_dir(path.parent, path.name)
         try:
             self.engine.save_pretrained(tmp)
             if path.exists():
@@ -310,4 +305,5 @@ def _report(when: str, metrics: dict[str, float]) -> None:
 def _progress(args: ESConfig, start: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=args.iterations, initial=start, desc="ES", unit="it", disable=not args.progress, file=sys.stderr)
+    return tqdm(total=args.iterations, initial=start, desc="ES", unit="it", file=sys.stderr,
+                disable=not args.progress or args.iterations == 0)

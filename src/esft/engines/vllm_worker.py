@@ -238,16 +238,25 @@ class ESWorkerExtension:
         self._esft_repack(self._esft_master)
 
     @torch.no_grad()
-    def esft_update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+    def esft_update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> list[str]:
         """master += Σᵢ cᵢ·εᵢ, accumulated in float32 per HF tensor (as the transformers engine
-        does, so both engines compute the same float32 numbers), then θ ← master."""
+        does, so both engines compute the same float32 numbers), then θ ← master. If a tensor
+        would not be finite, θ is left alone, the master is put back from it, and the names of the
+        offending vLLM tensors are returned (else [])."""
         for index, shape, blocks in self._esft_trainable:
             total = torch.zeros(shape, dtype=torch.float32, device=self._esft_device)
             for seed, coefficient in zip(seeds, coefficients, strict=True):
                 total.add_(self._esft_draw(seed, index, shape), alpha=coefficient)
             for name, vslices, hslices in blocks:
                 self._esft_master[name][vslices].add_(total[hslices])
+        bad = [name for name, master in self._esft_master.items()
+               if not torch.isfinite(master.to(self._esft_params[name].dtype)).all()]
+        if bad:  # put the master back from θ (still the weights before this update) and say so
+            for name, master in self._esft_master.items():
+                master.copy_(self._esft_params[name].data)
+            return bad
         self.esft_restore()
+        return []
 
     def esft_checksum(self) -> str:
         """Digest of this rank's float32 master."""

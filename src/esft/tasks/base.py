@@ -2,26 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-# TRL's reward signature: f(prompts, completions, completion_ids, **columns) -> list[float | None];
-# None = no score.
-RewardFunc = Callable[..., Sequence[float | None]]
-PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids")
-"""What every reward call provides besides the data's columns."""
+from esft.rewards import PROMPT_SOURCE, PROVIDED_ARGUMENTS, TRUSTED_ATTRIBUTE, RewardFunc, trusted_reward
 
-PROMPT_SOURCE = "_prompt_source"
-"""Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
-functions receive the original, as in TRL; it is never passed as a column)."""
-TRUSTED_ATTRIBUTE = "__esft_trusted__"
-
-
-def trusted_reward(func):
-    """Mark a built-in reward function as trusted: it runs in-process, outside the sandbox."""
-    setattr(func, TRUSTED_ATTRIBUTE, True)
-    return func
+__all__ = ["PROMPT_SOURCE", "PROVIDED_ARGUMENTS", "TRUSTED_ATTRIBUTE", "RewardFunc", "Task", "TaskError", "trusted_reward"]
 
 
 class TaskError(ValueError):
@@ -46,3 +32,9 @@ class Task:
     "Q: {question}\nA:" (used for rows without a `prompt` column)."""
     report_kl: bool = False
     """Evaluation also reports KL(fine-tuned || base) per generated token (`eval/<split>/kl`)."""
+
+    def where(self, split: str | None = None) -> str:
+        """Where the rows of the train set (split None) or of an eval split came from, for messages."""
+        if split is None:
+            return self.metadata.get("train_where", "train_dataset")
+        return self.metadata.get("eval_labels", {}).get(split, f"{self.metadata.get('eval_where', 'eval_dataset')}[{split!r}]")

@@ -8,19 +8,16 @@ the file, row, split or function at fault.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import importlib
 import inspect
-import os
-import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from esft.rewards import reward_name
-from esft.sandbox import describe, load_module_from_file
-from esft.tasks.base import PROVIDED_ARGUMENTS, Task, TaskError
-from esft.tasks.loading import apply_template, check_rows, dataset_columns, load_splits, train_split
+from esft import usercode
+from esft.rewards import PROVIDED_ARGUMENTS, reward_name
+from esft.tasks.base import Task, TaskError
+from esft.tasks.loading import apply_template, check_rows, common_columns, load_splits, train_split
+from esft.usercode import describe
 
 # The arguments a task factory may take (it receives those it names, or all with **kwargs).
 FACTORY_SETTINGS = ("train_data", "eval_data", "seed", "difficulty", "train_size", "eval_size")
@@ -32,44 +29,20 @@ def is_spec(value: str) -> bool:
 
 
 def load_callable(spec: str, option: str) -> Callable:
-    """The function named by "module:function" or "path/to/file.py:function"."""
-    target, _, name = spec.rpartition(":")
-    if not target or not name.isidentifier():
-        raise TaskError(f"{option} {spec}: expected module:function or path/to/file.py:function")
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise TaskError(f"{option} {spec}: {path} is not a file")
-        directory = str(path.resolve().parent)
-        if directory not in sys.path:
-            sys.path.insert(0, directory)  # the file may import its neighbours, as a script would
-        digest = hashlib.blake2b(str(path.resolve()).encode(), digest_size=4).hexdigest()
-        module_name = f"_esft_user_{path.stem}_{digest}"
-        loader = lambda: load_module_from_file(str(path.resolve()), module_name)  # noqa: E731
-    else:
-        if os.getcwd() not in sys.path and "" not in sys.path:
-            sys.path.insert(0, os.getcwd())  # `esft` is a console script: make ./my_module.py importable
-        loader = lambda: importlib.import_module(target)  # noqa: E731
+    """The function named by "module:function" or "path/to/file.py:function" (esft.usercode), with
+    a TaskError naming `option` when it cannot be loaded."""
     try:
-        module = loader()
-    except ModuleNotFoundError as error:
-        raise TaskError(f"{option} {spec}: cannot import {target!r} ({error}); is it on PYTHONPATH or in the "
-                        "current directory?") from None
-    except BaseException as error:  # noqa: BLE001 - whatever the user's module raises while importing
-        raise TaskError(f"{option} {spec}: importing {target!r} failed: {describe(error)}") from None
-    func = getattr(module, name, None)
-    if func is None:
-        public = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
-        raise TaskError(f"{option} {spec}: {target!r} has no {name!r} (it defines: {', '.join(public[:12]) or 'nothing callable'})")
-    if not callable(func):
-        raise TaskError(f"{option} {spec}: {name!r} is a {type(func).__name__}, not a function")
-    return func
+        return usercode.load_callable(spec, option)
+    except usercode.UserCodeError as error:
+        raise TaskError(str(error)) from None
 
 
-def check_reward_func(func: Any, columns: set[str], where: str, role: str = "reward function") -> None:
+def check_reward_func(func: Any, columns: set[str], where: str, role: str = "reward function",
+                      rows: Sequence[dict[str, Any]] = ()) -> None:
     """TaskError unless `func` can be called as f(prompts=..., completions=..., **columns) with
     `columns` (TRL's convention): it must take `completions`, take its arguments by keyword, and
-    every argument without a default must be one of PROVIDED_ARGUMENTS or a column of the data."""
+    every argument without a default must be one of PROVIDED_ARGUMENTS or a column of the data
+    (`columns`: those every row has; `rows`, when given, name the first row that lacks one)."""
     name = reward_name(func)
     if not callable(func):
         raise TaskError(f"{role} {func!r} is not callable")
@@ -89,6 +62,10 @@ def check_reward_func(func: Any, columns: set[str], where: str, role: str = "rew
     required = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty]
     missing = [column for column in required if column not in PROVIDED_ARGUMENTS and column not in columns]
     if missing:
+        lacking = next((i for i, row in enumerate(rows) if missing[0] not in row), None)
+        if lacking is not None and any(missing[0] in row for row in rows):
+            raise TaskError(f"{role} {name} needs column {missing[0]!r}, which {where} row {lacking} does not have "
+                            "(every row needs it)")
         raise TaskError(f"{role} {name} needs column {missing[0]!r}, which {where} does not have "
                         f"(its columns: {', '.join(sorted(columns)) or 'none besides prompt'})")
 
@@ -123,11 +100,11 @@ def prepare_task(task: Any, origin: str = "the task") -> Task:
         raise TaskError(f"{origin}: {len(task.reward_weights)} reward weights for {len(funcs)} reward functions")
     datasets = ([(train_where, train)] if train else []) + [(labels[s], rows) for s, rows in evals.items()]
     for where, rows in datasets:
-        columns = dataset_columns(rows)
+        columns = common_columns(rows)
         for func in funcs:
-            check_reward_func(func, columns, where)
+            check_reward_func(func, columns, where, rows=rows)
         if task.accuracy_func is not None:
-            check_reward_func(task.accuracy_func, columns, where, role="accuracy function")
+            check_reward_func(task.accuracy_func, columns, where, role="accuracy function", rows=rows)
     return dataclasses.replace(task, train_dataset=train, eval_datasets=evals, reward_funcs=funcs)
 
 
@@ -159,6 +136,8 @@ def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: 
     if train_data is not None:
         splits = load_splits(train_data)
         name, train = train_split(splits, train_data)
+        if not train:
+            raise TaskError(f"--train-data {train_data}: has no rows; give a file with one row per prompt")
         metadata["train_where"] = f"{train_data}" if len(splits) == 1 else f"{train_data} (split 'train')"
         if eval_data is None:  # a DatasetDict's other splits are its evaluation splits
             evals = {split: rows for split, rows in splits.items() if split != name}

@@ -13,26 +13,14 @@ from __future__ import annotations
 import csv
 import json
 import os
-import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from esft.files import looks_like_path
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
 
-DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")
-_DATASET_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 _FORMATS = "a .json, .jsonl, .csv or .parquet file, a save_to_disk directory, or a dataset name in the local cache"
-
-
-def looks_like_path(source: str) -> bool:
-    """True unless `source` could be a dataset name ("name" or "org/name" without a data suffix)."""
-    return (
-        source.lower().endswith(DATA_SUFFIXES)
-        or source.startswith((".", "/", "~"))
-        or not _DATASET_NAME.match(source)
-        or Path(source).exists()
-    )
 
 
 def load_splits(source: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:
@@ -210,9 +198,35 @@ def apply_template(rows: list[dict[str, Any]], template: str, where: str) -> lis
     return result
 
 
-def dataset_columns(rows: list[dict[str, Any]]) -> set[str]:
-    """Columns passed to reward functions: every key of any row but `prompt`."""
-    return {key for row in rows for key in row if key not in ("prompt", PROMPT_SOURCE)}
+def common_columns(rows: list[dict[str, Any]]) -> set[str]:
+    """The columns every row has (a reward function that needs one may rely on it)."""
+    return set.intersection(*(set(row) for row in rows)) - {"prompt", PROMPT_SOURCE} if rows else set()
+
+
+def _row_list(indices: list[int]) -> str:
+    shown = ", ".join(map(str, indices[:8]))
+    return f"row{'s' if len(indices) > 1 else ''} {shown}" + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
+
+
+def check_prompt_lengths(task: Task, tokenizer: Any, max_length: int | None, max_tokens: int) -> None:
+    """TaskError naming the rows whose prompt has no token, or is too long to leave room for
+    `max_tokens` new tokens within the model's `max_length` positions: before any generation."""
+    sets = [(task.where(), task.train_dataset)] + [(task.where(split), rows) for split, rows in task.eval_datasets.items()]
+    for where, rows in sets:
+        if not rows:
+            continue
+        lengths = [len(ids) for ids in tokenizer([row["prompt"] for row in rows], add_special_tokens=False)["input_ids"]]
+        empty = [i for i, n in enumerate(lengths) if n == 0]
+        if empty:
+            raise TaskError(f"{where}: the prompt of {_row_list(empty)} is empty; every prompt needs text for the model "
+                            "to continue (drop or fill those rows)")
+        too_long = [i for i, n in enumerate(lengths) if max_length is not None and n + max_tokens > max_length]
+        if too_long:
+            longest = max(lengths[i] for i in too_long)
+            size = f"has {longest} tokens" if len(too_long) == 1 else f"have up to {longest} tokens"
+            raise TaskError(f"{where}: the prompt{'s' if len(too_long) > 1 else ''} of {_row_list(too_long)} {size}, which with "
+                            f"--max-tokens {max_tokens} exceed{'s' if len(too_long) == 1 else ''} the model's {max_length} "
+                            "positions; shorten or drop those rows, or lower --max-tokens")
 
 
 # ----------------------------------------------------------------------------- chat rendering

@@ -20,14 +20,15 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from esft.sandbox import FuncRef, WorkerPool
+from esft.sandbox import WorkerPool
 from esft.tasks.base import Task, TaskError, trusted_reward
 from esft.tasks.math_grading import gold_answers
+from esft.usercode import ByReference
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 CHECK_TIMEOUT = 2.0
 """Seconds per graded completion (normalised comparison + math-verify), as ~1 s in the reference."""
-GRADER = FuncRef("esft.tasks.math_grading", "grade")
+GRADER = ByReference("esft.tasks.math_grading", "grade")
 GRADER_WORKERS = 2
 GRADER_MEMORY_MB = 4096
 

@@ -1,5 +1,6 @@
-"""Executors run population members on engines. Here: the in-process one (one engine, one member at
-a time). Every executor answers the same three calls, so the trainer never knows where weights live."""
+"""The in-process executor: one engine, members one after another or all in one batched generate
+call. Every executor answers the same calls (evaluate_population, update, generate, checksum), so
+the trainer never knows where the weights live."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from esft.engines.transformers_engine import Generation, Sampling
+from esft.batches import PromptBatch
+from esft.engines.base import Engine, Generation, Sampling
 from esft.rewards import Scores
 
 Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str], Sequence[Sequence[int]]], Scores]
@@ -30,7 +32,7 @@ class LocalExecutor:
     """Evaluates members on a single in-process engine: one after another, or all in one batched
     generate call (`population_batching`, low-rank noise: esft.engines.population)."""
 
-    def __init__(self, engine, scorer: Scorer, sigma: float, population_batching: bool = False,
+    def __init__(self, engine: Engine, scorer: Scorer, sigma: float, population_batching: bool = False,
                  overlap_rewards: bool = True):
         self.engine = engine
         self.scorer = scorer
@@ -40,17 +42,15 @@ class LocalExecutor:
         """Sequential path: score member i in a background thread while member i+1 generates (torch
         kernels release the GIL; sandboxed reward functions run in other processes)."""
 
-    def evaluate_population(self, member_seeds: Sequence[int], rows: Sequence[dict[str, Any]]) -> list[MemberResult]:
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch) -> list[MemberResult]:
         """Perturb → generate → restore → score, for each member, on the same prompt batch."""
-        prompts = [row["prompt"] for row in rows]
-        results = []
+        rows, prompts = batch.rows, batch.prompts
         if self.population_batching:
             from esft.engines.population import generate_population
 
-            for seed, generation in zip(member_seeds, generate_population(self.engine, prompts, member_seeds, self.sigma)):
-                scores = self.scorer(rows, generation.texts, generation.token_ids)
-                results.append(MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens)))
-            return results
+            generations = generate_population(self.engine, prompts, member_seeds, self.sigma)
+            return [self._result(seed, generation, self.scorer(rows, generation.texts, generation.token_ids))
+                    for seed, generation in zip(member_seeds, generations)]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
             pending = []
             for seed in member_seeds:
@@ -62,10 +62,11 @@ class LocalExecutor:
                 pending.append((seed, generation, pool.submit(self.scorer, rows, generation.texts, generation.token_ids)))
                 if not self.overlap_rewards:
                     pending[-1][2].result()
-            for seed, generation, future in pending:
-                scores = future.result()
-                results.append(MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens)))
-        return results
+            return [self._result(seed, generation, future.result()) for seed, generation, future in pending]
+
+    @staticmethod
+    def _result(seed: int, generation: Generation, scores: Scores) -> MemberResult:
+        return MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens))
 
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
         """Apply θ += Σ coefficientsᵢ·εᵢ on the engine."""
@@ -79,3 +80,6 @@ class LocalExecutor:
 
     def checksum(self) -> str:
         return self.engine.checksum()
+
+    def close(self) -> None:
+        self.engine.close()

@@ -1,7 +1,7 @@
 """The Ray executor (`--executor ray --workers K`): K actors, each hosting one engine.
 
 Traffic is seeds and scalars only. Each actor loads the model itself and holds the task (datasets
-and reward functions); per piece of work it receives (member seeds, prompt-batch id) and returns the
+and reward functions); per piece of work it receives (member seeds, the iteration of its prompt batch) and returns the
 members' rewards. Members are handed out one at a time to whichever actor is free, so a fast actor
 takes more; with --population-batching each actor instead gets an equal share of the population
 and evaluates it in one batched generate call per mini-batch (esft.engines.population). Every
@@ -20,117 +20,24 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import tempfile
 from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import ray
 
-from esft.config import ConfigError, ESConfig
-from esft.executor import LocalExecutor, MemberResult
+from esft.batches import PromptBatch, prompt_batch
+from esft.config import ConfigError, ESConfig, model_path
+from esft.engines.base import Generation, NonFiniteWeights, Sampling
+from esft.executors.local import MemberResult
+from esft.executors.ray_actor import ESActor
 
 log = logging.getLogger(__name__)
 
 
 class ReplicaMismatch(RuntimeError):
     """Actors disagree on the weights after an update."""
-
-
-class ESActor:
-    """One engine plus the task, inside a Ray actor process."""
-
-    def __init__(self, args: ESConfig, model: str | None, driver_path: Sequence[str] = ()):
-        # Modules the driver imports reward functions from (a script's directory, tests/) are
-        # importable here too when this node has them; on other nodes install them or ship them
-        # with Ray's runtime_env (README).
-        sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
-        import torch
-
-        threads = max(1, int(args.ray_cpus_per_worker))
-        torch.set_num_threads(threads)
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # several engines share a node's cores
-        from esft.factory import build_engine
-
-        self.args, self.task = args, None
-        self.engine = build_engine(args, model)
-        self._batches: dict[int, list[dict[str, Any]]] = {}
-
-    def set_task(self, task) -> None:
-        """Hold the task (datasets, reward functions) and score exactly as the trainer does: its own
-        reward runners and _score, on a namespace holding what they read."""
-        from esft.trainer import ESTrainer
-
-        self.task, self._batches = task, {}
-        scorer = SimpleNamespace(task=task, args=self.args)
-        scorer.rewards, scorer.accuracy = ESTrainer._build_reward_runners(scorer)
-        self._local = LocalExecutor(self.engine, lambda *batch: ESTrainer._score(scorer, *batch), self.args.sigma,
-                                    population_batching=self.args.population_batching)
-
-    def identity(self) -> tuple[int, str]:
-        """(pid, node ip): names the actor in errors; the test kills the pid."""
-        return os.getpid(), ray.util.get_node_ip_address()
-
-    def _rows(self, batch_id: int | None, rows):
-        if rows is not None:
-            return rows
-        if batch_id not in self._batches:
-            from esft.trainer import prompt_batch
-
-            self._batches = {batch_id: prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch_id)}
-        return self._batches[batch_id]
-
-    def evaluate(self, seeds: Sequence[int], batch_id: int | None, rows=None) -> list[MemberResult]:
-        """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
-        a time, or batched with --population-batching)."""
-        return self._local.evaluate_population(seeds, self._rows(batch_id, rows))
-
-    def population_batching_problem(self) -> str | None:
-        """Why this actor's model cannot evaluate members batched (None: it can)."""
-        from esft.engines.population import population_batching_problem
-
-        return population_batching_problem(self.engine)
-
-    def update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> str:
-        self.engine.update(seeds, coefficients)
-        return self.engine.checksum()
-
-    def synchronise(self, base: dict | None, updates: Sequence[tuple[list[int], list[float]]], state: dict | None) -> str:
-        """Become a replica: load `state` (a live actor's weights) or replay `updates` from the
-        base weights (`base` = the master after a resume, else the model as loaded)."""
-        if state is not None:
-            self.engine.load_master_state(state)
-        else:
-            if base is not None:
-                self.engine.load_master_state(base)
-            for seeds, coefficients in updates:
-                self.engine.update(seeds, coefficients)
-        return self.engine.checksum()
-
-    def checksum(self) -> str:
-        return self.engine.checksum()
-
-    def generate(self, prompts, mini_batch_size=None, sampling=None):
-        return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)
-
-    def master_state(self) -> dict:
-        return self.engine.master_state()
-
-    def load_master_state(self, state: dict) -> str:
-        self.engine.load_master_state(state)
-        return self.engine.checksum()
-
-    def saved_files(self) -> dict[str, bytes]:
-        """The engine's save_pretrained output as {relative path: bytes} (the driver may be on
-        another node than this actor)."""
-        with tempfile.TemporaryDirectory() as tmp:
-            self.engine.save_pretrained(tmp)
-            return {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
-
-    def num_trainable(self) -> int:
-        return self.engine.num_trainable()
 
 
 class _Slot:
@@ -205,12 +112,13 @@ class RayExecutor:
         print(f"esft: {message}", file=sys.stderr)
 
     # ------------------------------------------------------------ members
-    def evaluate_population(self, member_seeds: Sequence[int], rows: Sequence[dict[str, Any]]) -> list[MemberResult]:
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch) -> list[MemberResult]:
         """Every member once, on whichever actor is free; a dead actor's members are re-run elsewhere.
-        The unit of work is one member, or with --population-batching an equal share per actor."""
+        The unit of work is one member, or with --population-batching an equal share per actor. Only
+        the iteration goes out when the actors can rebuild the batch (esft.batches.prompt_batch)."""
         self._ship_task()
-        batch_id = getattr(rows, "batch_id", None)
-        payload = None if batch_id is not None else list(rows)
+        expected = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch.iteration)
+        payload = None if expected.rows == batch.rows else list(batch.rows)
         share = -(-len(member_seeds) // len(self.slots)) if self.args.population_batching else 1
         pending = deque(list(range(start, min(start + share, len(member_seeds))))
                         for start in range(0, len(member_seeds), share))
@@ -223,7 +131,7 @@ class RayExecutor:
         while pending or running:
             while pending and idle:
                 slot, indices = idle.popleft(), pending.popleft()
-                running[slot.actor.evaluate.remote([member_seeds[i] for i in indices], batch_id, payload)] = (slot, indices)
+                running[slot.actor.evaluate.remote([member_seeds[i] for i in indices], batch.iteration, payload)] = (slot, indices)
             if not running and not starting:
                 raise RuntimeError("no Ray actor is left to evaluate members")
             ready, _ = ray.wait(list(running) + list(starting), num_returns=1)
@@ -301,6 +209,14 @@ class RayExecutor:
         for future, slot in futures.items():
             try:
                 checksums[slot.index] = ray.get(future)
+            except ray.exceptions.RayTaskError as error:
+                cause = getattr(error, "cause", None)
+                if isinstance(cause, NonFiniteWeights):
+                    # every actor computes the same update: all refused it and kept their weights
+                    self.updates.pop()
+                    ray.wait(list(futures), num_returns=len(futures))
+                    raise cause from None
+                raise
             except ray.exceptions.RayActorError:
                 self._report(f"{slot.name} died during the update; starting a replacement")
                 replacement = self._replace(slot)  # replays the log, which holds this update
@@ -353,25 +269,38 @@ class RayExecutor:
 
 
 class RayEngine:
-    """What the trainer needs of `engine` (checksum, checkpoints, resume) when weights live in actors."""
+    """The Engine (esft.engines.base) of a run whose weights live in Ray actors: every call goes to
+    the actors (all of them for weight changes, one for reads), so checkpoints, resume and
+    evaluation work as with an in-process engine."""
 
     def __init__(self, executor: RayExecutor):
         from transformers import AutoTokenizer
 
-        from esft.factory import model_path
-
         self._executor = executor
         self.tokenizer = AutoTokenizer.from_pretrained(model_path(executor.args, executor.model))
+        self._names: list[str] | None = None
+
+    def _all(self, method: str, *args) -> list:
+        return ray.get([getattr(slot.actor, method).remote(*args) for slot in self._executor.slots])
+
+    def perturb(self, member_seed: int, sigma: float) -> None:
+        self._all("perturb", member_seed, sigma)
+
+    def restore(self) -> None:
+        self._all("restore")
+
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+        self._executor.update(member_seeds, coefficients)
+
+    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None,
+                 sampling: Sampling | None = None) -> Generation:
+        return self._executor.generate(prompts, mini_batch_size, sampling)
 
     def checksum(self) -> str:
         return self._executor.checksum()
 
     def master_state(self) -> dict:
         return self._executor._call_one("master_state")
-
-    @property
-    def master(self) -> dict:
-        return self.master_state()
 
     def load_master_state(self, state: dict) -> None:
         """Every actor loads `state`; it becomes the base replacements start from."""
@@ -380,6 +309,17 @@ class RayEngine:
         executor.updates = []
         executor._checksum = executor._agreed(ray.get([slot.actor.load_master_state.remote(executor._base_ref) for slot in executor.slots]))
 
+    def trainable_names(self) -> list[str]:
+        if self._names is None:
+            self._names = self._executor._call_one("trainable_names")
+        return list(self._names)
+
+    def num_trainable(self) -> int:
+        return self._executor._call_one("num_trainable")
+
+    def max_length(self) -> int | None:
+        return self._executor._call_one("max_length")
+
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
         for name, data in self._executor._call_one("saved_files").items():
@@ -387,6 +327,5 @@ class RayEngine:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(data)
 
-    def num_trainable(self) -> int:
-        return self._executor._call_one("num_trainable")
-
+    def close(self) -> None:
+        self._executor.close()

@@ -1,0 +1,33 @@
+"""The prompt batch of an iteration: a function of (seed, iteration) alone, so a resumed run, every
+Ray actor and every engine see exactly the same rows."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PromptBatch:
+    """An iteration's rows. Executors that run elsewhere (Ray actors) send only `iteration` and
+    rebuild the rows with prompt_batch from their own copy of the train set."""
+
+    iteration: int
+    rows: list[dict[str, Any]]
+
+    @property
+    def prompts(self) -> list[str]:
+        return [row["prompt"] for row in self.rows]
+
+
+def prompt_batch(data: Sequence[dict[str, Any]], seed: int, size: int, iteration: int) -> PromptBatch:
+    """Consecutive slices of per-epoch shuffles of the train set (seeded by (seed, epoch))."""
+    rows = []
+    for position in range(iteration * size, (iteration + 1) * size):
+        epoch, offset = divmod(position, len(data))
+        order = np.random.default_rng([seed, 1, epoch]).permutation(len(data))
+        rows.append(data[order[offset]])
+    return PromptBatch(iteration, rows)

@@ -1,0 +1,138 @@
+"""The rules an ESConfig must satisfy: one ConfigError naming the field (the flag) and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from esft.files import looks_like_path
+
+EMBEDDED_MODEL = "embedded"
+CHOICES = {
+    "noise": ("iid", "correlated", "lowrank"),
+    "reward_shaping": ("zscore", "rank", "raw"),
+    "dtype": ("float32", "bfloat16", "float16"),
+    "logging": ("tensorboard", "wandb", "none"),
+    "engine": ("transformers", "vllm"),
+    "executor": ("local", "ray"),
+    "vllm_cpu_gemm": ("repack", "plain"),
+}
+
+
+class ConfigError(ValueError):
+    """An invalid setting; `name` is the field (flag) at fault."""
+
+    def __init__(self, name: str, message: str):
+        self.name = name
+        super().__init__(f"--{name.replace('_', '-')}: {message}")
+
+
+def check(config) -> None:
+    """Raise ConfigError naming the first invalid field of an ESConfig and how to fix it."""
+    for f in dataclasses.fields(config):
+        _check_type(f.name, getattr(config, f.name), f.type)
+        if f.type.startswith("float") and getattr(config, f.name) is not None and not math.isfinite(getattr(config, f.name)):
+            raise ConfigError(f.name, f"must be a finite number, got {getattr(config, f.name)}")
+    positive = {"sigma": "a small positive noise scale such as 1e-3", "alpha": "a positive step such as 5e-4"}
+    for name, hint in positive.items():
+        if not getattr(config, name) > 0:
+            raise ConfigError(name, f"must be > 0, got {getattr(config, name)}; use {hint}")
+    minimum = {"population_size": 2, "batch_size": 1, "max_tokens": 1, "eval_batch_size": 1, "train_size": 1,
+               "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
+               "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
+               "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
+    for name, low in minimum.items():
+        if getattr(config, name) < low:
+            raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
+    if not 0 < config.gpu_memory_utilization <= 1:
+        raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {config.gpu_memory_utilization}")
+    for name in ("mini_batch_size", "save_total_limit", "max_model_len"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ConfigError(name, f"must be >= 1 (or left unset), got {getattr(config, name)}")
+    for name, allowed in CHOICES.items():
+        if getattr(config, name) not in allowed:
+            raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {getattr(config, name)!r}")
+    _check_scale_out(config)
+    if config.noise == "lowrank" and config.engine != "transformers":
+        raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {config.engine})")
+    if config.population_batching and config.noise != "lowrank":
+        raise ConfigError("population_batching", f"needs --noise lowrank (got --noise {config.noise}): full-rank "
+                          "members cannot share one set of weights")
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.device):
+        raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {config.device!r}")
+    if config.trainable is not None:
+        try:
+            re.compile(config.trainable)
+        except re.error as error:
+            raise ConfigError("trainable", f"is not a valid regular expression ({error})") from None
+    if config.run_name is not None and (config.run_name in ("", ".", "..") or "/" in config.run_name or "\\" in config.run_name):
+        raise ConfigError("run_name", f"must be a plain directory name (no '/', not '.' or '..'), got {config.run_name!r}")
+    if Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
+        raise ConfigError("output_dir", f"{config.output_dir!r} is a file, not a directory; pick a directory for runs")
+    if config.model != EMBEDDED_MODEL and _looks_like_path(config.model) and not Path(config.model).is_dir():
+        raise ConfigError(
+            "model", f"directory {config.model!r} does not exist; give a model directory or a hub id"
+        )
+    for name in ("train_data", "eval_data", "resume"):
+        value = getattr(config, name)
+        # train/eval data may also name a dataset in the local cache: checked when loaded
+        if value is not None and not Path(value).exists() and (name == "resume" or looks_like_path(value)):
+            raise ConfigError(name, f"{value!r} does not exist; check the path")
+    if (config.task == "custom") != bool(config.reward_funcs):
+        raise ConfigError("task" if config.reward_funcs else "reward_funcs",
+                          f"--reward-funcs builds its own task from --train-data/--eval-data; drop --task {config.task}"
+                          if config.reward_funcs else "--task custom needs --reward-funcs module:function")
+    if not config.reward_timeout > 0:
+        raise ConfigError("reward_timeout", f"must be > 0 seconds, got {config.reward_timeout}")
+    if not config.temperature >= 0:
+        raise ConfigError("temperature", f"must be >= 0, got {config.temperature}")
+    if not 0 < config.top_p <= 1:
+        raise ConfigError("top_p", f"must be in (0, 1], got {config.top_p}")
+    if config.eval_samples > 1 and config.temperature == 0:
+        raise ConfigError("eval_samples", f"{config.eval_samples} samples per prompt need sampling: add --temperature 1 "
+                          "(greedy decoding gives the same completion every time)")
+    config.parsed_reward_weights()
+
+def _check_scale_out(config) -> None:
+    """vLLM settings need --engine vllm and Ray settings --executor ray: never silently ignored."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    for engine_or_executor, wanted, names in (
+        ("engine", "vllm", ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "vllm_cpu_gemm")),
+        ("executor", "ray", ("workers", "ray_address", "ray_cpus_per_worker", "ray_gpus_per_worker")),
+    ):
+        if getattr(config, engine_or_executor) == wanted:
+            continue
+        for name in names:
+            if getattr(config, name) != defaults[name]:
+                flag = f"--{engine_or_executor} {wanted}"
+                raise ConfigError(name, f"is a setting of {flag}, which this run does not use (--{engine_or_executor} "
+                                  f"{getattr(config, engine_or_executor)}); add {flag} or drop it")
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _looks_like_path(model: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything with more slashes, a leading dot/slash or ~ is a path.
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or Path(model).exists()
+
+
+def _check_type(name: str, value: Any, annotation: str) -> None:
+    optional = "None" in annotation
+    if value is None:
+        if not optional:
+            raise ConfigError(name, "must be set")
+        return
+    base = annotation.replace("| None", "").strip()
+    ok = {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": is_number(value),
+        "str": isinstance(value, str),
+        "bool": isinstance(value, bool),
+    }[base]
+    if not ok:
+        raise ConfigError(name, f"must be {'an' if base == 'int' else 'a'} {base}, got {value!r}")

@@ -1,0 +1,133 @@
+"""What an engine is: the contract every engine (transformers, vLLM, the Ray proxy) keeps, and the
+types they share. An engine is where the weights live and where text is generated.
+
+A third engine implements `Engine`; `tests/test_architecture.py` checks every engine against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a --dtype name."""
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+@dataclass
+class Generation:
+    """Completions of a prompt batch, in prompt order (n consecutive entries per prompt when sampling n)."""
+
+    texts: list[str]
+    num_tokens: list[int]
+    """Generated tokens per completion, EOS included, padding excluded."""
+    token_ids: list[list[int]] | None = None
+    """The generated token ids (EOS included, padding excluded), when the engine provides them."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How to decode. The default (temperature 0) is greedy, as ES rollouts are in the paper."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    n: int = 1
+    """Completions per prompt; Generation lists them prompt by prompt (n consecutive entries)."""
+    seed: int = 0
+    """Seeds the sampler, so sampled evaluations are reproducible."""
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class NoTrainableParameters(ValueError):
+    """The --trainable pattern matches no parameter name."""
+
+
+class NonFiniteWeights(ArithmeticError):
+    """An update would make weights NaN/inf; the engine kept the weights from before it."""
+
+
+def check_coefficients(coefficients: Sequence[float]) -> None:
+    """NonFiniteWeights unless every update coefficient is a finite float32 (a larger one would
+    overflow the float32 accumulation, whatever the noise)."""
+    largest = max((abs(float(c)) for c in coefficients), default=0.0)
+    if not largest < 3.4e38:
+        raise NonFiniteWeights(f"an update coefficient of {largest:g} is not a finite float32 (weights unchanged)")
+
+
+def generation_from_tokens(rows: Sequence[Sequence[int]], eos_token_ids: Sequence[int], tokenizer) -> Generation:
+    """Generated token rows cut after their first EOS (padding dropped) and decoded without
+    special tokens: the one place every engine turns tokens into completions."""
+    texts, counts, token_ids = [], [], []
+    for row in rows:
+        row = list(row)
+        length = next((i + 1 for i, token in enumerate(row) if token in eos_token_ids), len(row))
+        counts.append(length)
+        token_ids.append(row[:length])
+        texts.append(tokenizer.decode(row[:length], skip_special_tokens=True))
+    return Generation(texts=texts, num_tokens=counts, token_ids=token_ids)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The calls the trainer, the executors, evaluation and checkpoints make on an engine.
+
+    Weights: the engine keeps a float32 *master* of every trainable tensor, the source of truth.
+    Trainable tensors are numbered by their position in the Hugging Face model's
+    `named_parameters()`: noise of tensor k of a member is a function of (member seed, k) alone, so
+    every engine perturbs alike (esft.noise)."""
+
+    tokenizer: Any
+    """The model's Hugging Face tokenizer (prompts are rendered and checked with it)."""
+
+    def perturb(self, member_seed: int, sigma: float) -> None:
+        """θ ← master + σ·ε(member_seed) for every trainable tensor, rounded once to the model dtype.
+        Must be followed by restore() before the next perturb or update."""
+
+    def restore(self) -> None:
+        """θ ← master, bit-exact in every dtype (a copy, never a subtraction)."""
+
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]), accumulated in float32 per tensor,
+        then θ ← master. If the result would not be finite, raise NonFiniteWeights and keep the
+        weights from before the call."""
+
+    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None,
+                 sampling: Sampling | None = None) -> Generation:
+        """Completions of the current weights for every prompt, greedy unless `sampling` says
+        otherwise; results do not depend on `mini_batch_size` (prompts per call)."""
+
+    def checksum(self) -> str:
+        """A digest of the float32 master: equal digests mean bit-identical weights."""
+
+    def master_state(self) -> dict[str, Any]:
+        """The float32 master of the trainable tensors, Hugging Face names and shapes, on CPU."""
+
+    def load_master_state(self, state: dict[str, Any]) -> None:
+        """Set the master (and θ) from Hugging Face-named float32 tensors; every trainable tensor
+        must be present (ValueError naming the missing ones)."""
+
+    def trainable_names(self) -> list[str]:
+        """Hugging Face names of the trainable tensors, in tensor-index order."""
+
+    def num_trainable(self) -> int:
+        """Count of trainable scalars."""
+
+    def max_length(self) -> int | None:
+        """Longest sequence (prompt + completion, in tokens) the model takes; None if unbounded."""
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """Write the master weights (rounded to the model dtype) and the tokenizer to `path`, loadable
+        with AutoModelForCausalLM.from_pretrained; the model's own generation_config is kept."""
+
+    def close(self) -> None:
+        """Release processes and devices the engine holds (idempotent)."""

@@ -1,0 +1,118 @@
+"""The Ray actor of the Ray executor (esft.executors.ray_executor): one engine plus the task, in
+its own process on some node of the cluster."""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import ray
+
+from esft.batches import PromptBatch, prompt_batch
+from esft.config import ESConfig
+from esft.executors.local import LocalExecutor, MemberResult
+from esft.rewards import reward_runners
+
+
+class ESActor:
+    """One engine plus the task, inside a Ray actor process."""
+
+    def __init__(self, args: ESConfig, model: str | None, driver_path: Sequence[str] = ()):
+        # Modules the driver imports reward functions from (a script's directory, tests/) are
+        # importable here too when this node has them; on other nodes install them or ship them
+        # with Ray's runtime_env (README).
+        sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
+        import torch
+
+        threads = max(1, int(args.ray_cpus_per_worker))
+        torch.set_num_threads(threads)
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # several engines share a node's cores
+        from esft.engines import build_engine
+
+        self.args, self.task = args, None
+        self.engine = build_engine(args, model)
+        self._batch: PromptBatch | None = None
+
+    def set_task(self, task) -> None:
+        """Hold the task (datasets, reward functions) and score exactly as the trainer does, through
+        the same reward runners (esft.rewards.reward_runners)."""
+        self.task, self._batch = task, None
+        self.rewards, _ = reward_runners(task, self.args)
+        self._local = LocalExecutor(self.engine, self.rewards.score, self.args.sigma,
+                                    population_batching=self.args.population_batching)
+
+    def identity(self) -> tuple[int, str]:
+        """(pid, node ip): names the actor in errors; the test kills the pid."""
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None = None) -> list[MemberResult]:
+        """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
+        a time, or batched with --population-batching), on the iteration's prompt batch: rebuilt here
+        from the task's train set (esft.batches.prompt_batch) unless `rows` are given."""
+        if rows is not None:
+            batch = PromptBatch(iteration, rows)
+        else:
+            if self._batch is None or self._batch.iteration != iteration:
+                self._batch = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
+            batch = self._batch
+        return self._local.evaluate_population(seeds, batch)
+
+    def population_batching_problem(self) -> str | None:
+        """Why this actor's model cannot evaluate members batched (None: it can)."""
+        from esft.engines.population import population_batching_problem
+
+        return population_batching_problem(self.engine)
+
+    def update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> str:
+        self.engine.update(seeds, coefficients)
+        return self.engine.checksum()
+
+    def synchronise(self, base: dict | None, updates: Sequence[tuple[list[int], list[float]]], state: dict | None) -> str:
+        """Become a replica: load `state` (a live actor's weights) or replay `updates` from the
+        base weights (`base` = the master after a resume, else the model as loaded)."""
+        if state is not None:
+            self.engine.load_master_state(state)
+        else:
+            if base is not None:
+                self.engine.load_master_state(base)
+            for seeds, coefficients in updates:
+                self.engine.update(seeds, coefficients)
+        return self.engine.checksum()
+
+    def checksum(self) -> str:
+        return self.engine.checksum()
+
+    def generate(self, prompts, mini_batch_size=None, sampling=None):
+        return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)
+
+    def master_state(self) -> dict:
+        return self.engine.master_state()
+
+    def load_master_state(self, state: dict) -> str:
+        self.engine.load_master_state(state)
+        return self.engine.checksum()
+
+    def saved_files(self) -> dict[str, bytes]:
+        """The engine's save_pretrained output as {relative path: bytes} (the driver may be on
+        another node than this actor)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            self.engine.save_pretrained(tmp)
+            return {str(p.relative_to(tmp)): p.read_bytes() for p in Path(tmp).rglob("*") if p.is_file()}
+
+    def num_trainable(self) -> int:
+        return self.engine.num_trainable()
+
+    def trainable_names(self) -> list[str]:
+        return self.engine.trainable_names()
+
+    def max_length(self) -> int | None:
+        return self.engine.max_length()
+
+    def perturb(self, seed: int, sigma: float) -> None:
+        self.engine.perturb(seed, sigma)
+
+    def restore(self) -> None:
+        self.engine.restore()

@@ -1,0 +1,89 @@
+"""The rules for what a reward function returns, and one call of it on a batch.
+
+A reward function returns one value per completion: a number, or None ("no score for this sample").
+Everything else is a failure of that sample: NaN/inf, a non-number, a raised exception; a return
+value that is not a sequence of the right length fails the batch call, which is then retried sample
+by sample, so one bad completion costs only its own score. `call_reward` runs in a sandbox worker
+(esft.sandbox) or in-process (trusted built-ins, --no-reward-sandbox) alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from esft.usercode import describe, resolve, user_traceback
+
+
+class RewardCall(NamedTuple):
+    """The outcome of one reward function on one batch of n completions."""
+
+    values: list[float | None]
+    """n values; None = no score, or failed (see `errors`)."""
+    errors: dict[int, str]
+    """{sample index: what went wrong} for the failed samples."""
+    batch_error: str | None
+    """Why the batch call failed, when it did (each sample was then retried alone)."""
+    traceback: str = ""
+    """The first failure's traceback lines in the user's code."""
+
+
+def clean_values(raw: Any, n: int) -> tuple[list[float | None], dict[int, str]]:
+    """A reward function's return value as n floats/None plus {index: error} for non-numbers and
+    NaN/inf (failures). Raises ValueError when it is not a sequence of n values."""
+    if isinstance(raw, (str, bytes, dict)) or not hasattr(raw, "__len__") or not hasattr(raw, "__iter__"):
+        raise ValueError(f"returned {_short(raw)} ({type(raw).__name__}); expected a list of {n} floats or None")
+    if len(raw) != n:
+        raise ValueError(f"returned {len(raw)} values for {n} completion{'s' if n != 1 else ''}")
+    values: list[float | None] = []
+    errors: dict[int, str] = {}
+    for index, value in enumerate(raw):
+        if value is None:
+            values.append(None)
+            continue
+        number = None
+        if not isinstance(value, (str, bytes)):
+            try:
+                number = float(value)
+            except (TypeError, ValueError, OverflowError):
+                number = None
+        if number is None:
+            errors[index] = f"returned {_short(value)} ({type(value).__name__}), not a number"
+        elif number != number or number in (float("inf"), float("-inf")):
+            errors[index] = f"returned {number}"
+            number = None
+        values.append(number)
+    return values, errors
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def call_reward(func: Any, kwargs: dict[str, list], n: int) -> RewardCall:
+    """Run a reward function (a callable or an esft.usercode Shipped) on a batch: `func(**kwargs)`,
+    every kwarg a list of n items. A failed batch call is retried sample by sample."""
+    func = resolve(func)
+    try:
+        values, errors = clean_values(func(**kwargs), n)
+        return RewardCall(values, errors, None)
+    except MemoryError:
+        raise
+    except Exception as error:  # noqa: BLE001 - user code may raise anything
+        batch_error, detail = describe(error), user_traceback(error)
+    if n == 1:
+        return RewardCall([None], {0: batch_error}, batch_error, detail)
+    values: list[float | None] = []
+    errors: dict[int, str] = {}
+    for index in range(n):
+        try:
+            (value,), one_error = clean_values(func(**{k: v[index : index + 1] for k, v in kwargs.items()}), 1)
+            if one_error:
+                errors[index] = one_error[0]
+        except MemoryError:
+            raise
+        except Exception as error:  # noqa: BLE001
+            value, errors[index] = None, describe(error)
+            detail = detail or user_traceback(error)
+        values.append(value)
+    return RewardCall(values, errors, batch_error, detail)

@@ -1,0 +1,252 @@
+"""Run directories: claimed by one process at a time, resumed from a verified checkpoint, never mixed.
+
+- A new run claims `<output-dir>/<run-name>` while holding an exclusive lock on its `.esft.lock`
+  file (flock: released by the kernel however the process ends). Default names carry the time and a
+  random suffix, so parallel sweeps never collide; an explicit name that is in use, or that already
+  holds a run, is refused (ConfigError: exit 2 in the CLI).
+- `find_resume_point(path)` is the one place a resume is resolved: a `checkpoint-<N>` directory, or
+  the newest checkpoint of a run directory that verifies (esft.checkpoint.verify: every file matches
+  its recorded digest), saying which ones it passed over. A run killed before its first checkpoint
+  resumes from the start with its own settings.
+- `open_run(args, resume_point)` claims the directory. Resuming at iteration N sets aside what the
+  run did after N (later checkpoints, `final/`, metrics rows, evaluation files, TensorBoard events
+  of a restart from scratch) into `superseded-<time>/`: nothing is lost, nothing is mixed in.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from esft.checkpoint import STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state, verify
+from esft.config import ConfigError, ESConfig
+from esft.files import write_text_atomic
+from esft.metrics import METRICS_FILE
+
+LOCK_FILE = ".esft.lock"
+CONFIG_FILE = "config.yaml"
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, "final")
+"""Entries that mean a directory already holds a run (besides checkpoints)."""
+_EVAL_DIR = re.compile(r"^iteration-(\d+)$")
+
+
+class ResumeError(ValueError):
+    """Nothing to resume from; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues."""
+
+    run_dir: Path
+    checkpoint: Path | None
+    """None: the run never wrote a checkpoint, and starts again from iteration 0."""
+    iteration: int
+    config: dict[str, Any]
+    """The settings the run was started with (flags given on resume override them)."""
+    skipped: list[str] = field(default_factory=list)
+    """Newer checkpoints passed over, each with why."""
+
+
+def find_resume_point(path: str | Path) -> ResumePoint:
+    """A checkpoint directory (verified), or the newest verified checkpoint (or `final/`) of a run
+    directory; a run that never wrote one restarts from iteration 0 with its config.yaml."""
+    path = Path(path).expanduser()
+    if is_checkpoint(path):
+        problem = verify(path)
+        if problem:
+            raise ResumeError(f"{problem}; resume from the run directory {path.parent} to use its newest intact checkpoint")
+        return ResumePoint(path.parent, path, read_state(path)["iteration"], read_state(path)["config"])
+    if not path.is_dir():
+        raise ResumeError(f"{path} is neither a checkpoint nor a run directory")
+    candidates = list_checkpoints(path) + ([path / "final"] if is_checkpoint(path / "final") else [])
+    skipped = []
+    # newest first; at equal iterations a checkpoint-<N> before final/ (the same weights)
+    for checkpoint in sorted(candidates, key=lambda c: (_iteration_of_dir(c) or -1, c.name != "final"), reverse=True):
+        problem = verify(checkpoint)
+        if problem is None:
+            state = read_state(checkpoint)
+            return ResumePoint(path, checkpoint, state["iteration"], state["config"], skipped)
+        skipped.append(problem)
+    if skipped:
+        raise ResumeError(f"no checkpoint of {path} is intact ({'; '.join(skipped)})")
+    config = _read_config(path)
+    if config is None:
+        raise ResumeError(f"{path} is neither a checkpoint nor a run directory (no checkpoint-<N>, no {CONFIG_FILE})")
+    return ResumePoint(path, None, 0, config)
+
+
+def _read_config(run_dir: Path) -> dict[str, Any] | None:
+    import yaml
+
+    try:
+        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def default_run_name(args: ESConfig) -> str:
+    """<task>-s<seed>-<time>-<random>: unique even for runs started in the same second."""
+    task = args.task.rpartition(":")[2] or "task"
+    return f"{task}-s{args.seed}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+class RunDir:
+    """A run directory this process holds (the lock is released by close() or when the process ends)."""
+
+    def __init__(self, path: Path, lock_fd: int, resume: ResumePoint | None = None, created: Path | None = None):
+        self.path = path
+        self.resume = resume
+        self._lock_fd: int | None = lock_fd
+        self._created = created
+        """The outermost directory open_run created for this run (removed again if setup fails)."""
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    def write_config(self, args: ESConfig) -> None:
+        """config.yaml: the resolved settings, with where the run actually lives."""
+        import yaml
+
+        settings = {**args.to_dict(), "output_dir": str(self.path.parent), "run_name": self.path.name, "resume": None}
+        write_text_atomic(self.path / CONFIG_FILE, yaml.safe_dump(settings, sort_keys=False, allow_unicode=True))
+
+    def discard_if_unused(self) -> None:
+        """Remove a new run directory nothing was written to (setup failed), and release it."""
+        if self.resume is None and {p.name for p in self.path.iterdir()} <= {LOCK_FILE}:
+            shutil.rmtree(self._created or self.path, ignore_errors=True)
+        self.close()
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _lock(path: Path, flag: str) -> int:
+    """Take the run directory's lock, or ConfigError naming who holds it."""
+    lock_path = path / LOCK_FILE
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = lock_path.read_text(errors="replace").strip() or "?"
+        os.close(fd)
+        raise ConfigError(flag, f"{path} is in use by another esft process (pid {holder}); wait for it to finish "
+                          "or pick another directory") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    return fd
+
+
+def _make_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError("output_dir", f"cannot create {path} ({error.strerror or error}); pick a writable --output-dir") from None
+    if not os.access(path, os.W_OK):
+        raise ConfigError("output_dir", f"{path} is not writable; pick a writable --output-dir")
+
+
+def holds_run(path: Path) -> bool:
+    return bool(list_checkpoints(path)) or any((path / entry).exists() for entry in RUN_MARKERS)
+
+
+def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
+    """Claim the run's directory (module docstring): a new one, or the resumed one with what came
+    after the resume point set aside."""
+    if resume is not None:
+        path = resume.run_dir
+        fd = _lock(path, "resume")
+        try:
+            _remove_stale_temporaries(path)
+            _set_aside_later(path, resume)
+        except BaseException:
+            os.close(fd)
+            raise
+        return RunDir(path, fd, resume)
+    output_dir = Path(args.output_dir).expanduser()
+    for _ in range(5):
+        path = output_dir / (args.run_name or default_run_name(args))
+        created = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
+        _make_dir(path)
+        fd = _lock(path, "run_name" if args.run_name else "output_dir")
+        if not holds_run(path):
+            return RunDir(path, fd, created=created)
+        os.close(fd)
+        if args.run_name:
+            raise ConfigError("run_name", f"{path} already holds a run; pass --resume {path} to continue it, "
+                              "or another --run-name")
+    raise ConfigError("output_dir", f"could not find a free run name in {output_dir}")
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Half-written checkpoints (`.checkpoint-N.*.tmp`) of a process that died while saving."""
+    for entry in path.glob(".*.tmp"):
+        shutil.rmtree(entry, ignore_errors=True) if entry.is_dir() else entry.unlink(missing_ok=True)
+
+
+def _set_aside_later(path: Path, resume: ResumePoint) -> None:
+    """Move what the run did after resume.iteration into superseded-<time>/ (and say so)."""
+    n = resume.iteration
+    later: list[Path] = [c for c in list_checkpoints(path) if checkpoint_number(c) > n]
+    later += [c for c in path.glob("checkpoint-*") if c.is_dir() and not is_checkpoint(c)]  # incomplete ones
+    final = path / "final"
+    if final.exists() and (not (final / STATE_FILE).is_file() or _iteration_of_dir(final) != n or resume.checkpoint is None):
+        later.append(final)
+    evals = path / "eval"
+    if evals.is_dir():
+        later += [d for d in evals.iterdir() if (m := _EVAL_DIR.match(d.name)) and (int(m.group(1)) > n or resume.checkpoint is None)]
+    if resume.checkpoint is None:  # a restart from scratch: its old TensorBoard events go too
+        later += list(path.glob("events.out.tfevents.*"))
+    metrics = path / METRICS_FILE
+    kept, dropped = _split_metrics(metrics, n if resume.checkpoint is not None else -1)
+    if not later and not dropped:
+        return
+    aside = path / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    aside.mkdir()
+    for entry in later:
+        target = aside / entry.relative_to(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(entry), str(target))
+    if dropped:
+        shutil.copy2(metrics, aside / METRICS_FILE)  # the whole file as it was
+        write_text_atomic(metrics, "".join(line + "\n" for line in kept))
+    names = sorted({entry.relative_to(path).parts[0] if entry.parent == path else str(entry.relative_to(path)) for entry in later})
+    what = ", ".join(names[:6] + ([f"… ({len(names) - 6} more)"] if len(names) > 6 else []))
+    rows = f"{len(dropped)} metrics rows" if dropped else ""
+    print(f"esft: resuming {path} at iteration {n}: what it did after that ({', '.join(x for x in (what, rows) if x)}) "
+          f"was moved to {aside}", file=sys.stderr)
+
+
+def _iteration_of_dir(directory: Path) -> int | None:
+    try:
+        return read_state(directory)["iteration"]
+    except Exception:  # noqa: BLE001 - unreadable counts as "not this lineage"
+        return None
+
+
+def _split_metrics(metrics: Path, iteration: int) -> tuple[list[str], list[str]]:
+    """metrics.jsonl lines of rows up to `iteration`, and the others (later rows, torn or foreign lines)."""
+    if not metrics.is_file():
+        return [], []
+    kept, dropped = [], []
+    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        number = row.get("iteration") if isinstance(row, dict) else None
+        (kept if isinstance(number, int) and number <= iteration else dropped).append(line)
+    return kept, [line for line in dropped if line.strip()]

@@ -1,0 +1,144 @@
+"""The architecture stays as the README draws it: one-way imports (no cycles, module-level or inside
+functions), rooms that do not reach upwards, files under 400 lines, and every engine keeping the
+Engine contract of esft.engines.base."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+from esft.engines.base import Engine
+
+PACKAGE = Path(__file__).parents[1] / "src" / "esft"
+MAX_LINES = 400
+
+# room -> rooms it must never import (directly or inside a function): arrows run
+# cli → trainer → {strategy, executors → engines, tasks → rewards}
+FORBIDDEN = {
+    "esft.strategy": ("esft.",),
+    "esft.noise": ("esft.",),
+    "esft.engines": ("esft.executors", "esft.trainer", "esft.cli", "esft.tasks", "esft.rewards", "esft.evaluation",
+                     "esft.runs", "esft.sandbox", "esft.usercode"),
+    "esft.executors": ("esft.trainer", "esft.cli", "esft.runs", "esft.evaluation"),
+    "esft.rewards": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors", "esft.engines"),
+    "esft.reward_values": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.rewards"),
+    "esft.sandbox": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.rewards"),
+    "esft.usercode": ("esft.",),
+    "esft.tasks": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.evaluation"),
+    "esft.trainer": ("esft.cli",),
+    "esft.config": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards"),
+    "esft.config_rules": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
+                          "esft.config"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def esft_imports(path: Path) -> set[str]:
+    """Every esft module `path` imports, anywhere in the file (functions included). `from esft.a import b`
+    counts as esft.a.b when that is a module, else as esft.a."""
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names if alias.name.startswith("esft")}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("esft"):
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                found.add(candidate if candidate in modules else node.module)
+    return found - {module_name(path)}
+
+
+GRAPH = {module_name(path): esft_imports(path) for path in PACKAGE.rglob("*.py")}
+
+
+def test_the_import_graph_is_read():
+    assert "esft.trainer" in GRAPH["esft.cli"] and "esft.rewards" in GRAPH["esft.trainer"]
+    assert "esft.engines.transformers_engine" in GRAPH["esft.engines"]  # imports inside functions count
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(GRAPH.get(node, ())):
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if target in GRAPH and target not in state:
+                visit(target)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(GRAPH):
+        if node not in state:
+            visit(node)
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN))
+def test_rooms_do_not_import_upwards(room):
+    members = [m for m in GRAPH if m == room or m.startswith(room + ".")]
+    assert members, room
+    for module in members:
+        bad = [t for t in GRAPH[module] for prefix in FORBIDDEN[room]
+               if (t == prefix.rstrip(".") or t.startswith(prefix if prefix.endswith(".") else prefix + "."))
+               and not (t == room or t.startswith(room + "."))]
+        assert not bad, f"{module} imports {bad}"
+
+
+def test_no_file_over_400_lines():
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py") if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, long
+
+
+# ----------------------------------------------------------------------------- the engine contract
+CONTRACT = [name for name, member in vars(Engine).items() if callable(member) and not name.startswith("_")]
+
+
+def engine_classes():
+    from esft.engines.transformers_engine import TransformersEngine
+    from esft.executors.ray_executor import RayEngine
+
+    classes = [TransformersEngine, RayEngine]
+    try:
+        from esft.engines.vllm_engine import VLLMEngine
+
+        classes.append(VLLMEngine)
+    except ImportError:  # vLLM not installed: its engine is checked where it is
+        pass
+    return classes
+
+
+def test_the_contract_lists_every_call():
+    assert set(CONTRACT) >= {"perturb", "restore", "update", "generate", "checksum", "master_state", "load_master_state",
+                             "trainable_names", "num_trainable", "max_length", "save_pretrained", "close"}
+    for name in CONTRACT:
+        assert inspect.getdoc(getattr(Engine, name)), f"Engine.{name} says nothing of what it must guarantee"
+
+
+@pytest.mark.parametrize("cls", engine_classes(), ids=lambda c: c.__name__)
+def test_every_engine_keeps_the_contract(cls):
+    for name in CONTRACT:
+        method = getattr(cls, name, None)
+        assert callable(method), f"{cls.__name__} lacks {name}"
+        wanted = [p for p in inspect.signature(getattr(Engine, name)).parameters if p != "self"]
+        have = [p for p in inspect.signature(method).parameters if p != "self"]
+        assert have[: len(wanted)] == wanted, f"{cls.__name__}.{name}{have} does not take {wanted}"
+    assert "self.tokenizer" in inspect.getsource(cls), f"{cls.__name__} never sets its tokenizer"
+
+
+def test_an_in_process_engine_is_an_engine(tiny_model_dir):
+    from esft.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=2)
+    assert isinstance(engine, Engine)
+    assert engine.trainable_names()[0] == next(iter(engine.master)) and engine.max_length() == 1024
