@@ -1,5 +1,6 @@
 """`esft train` / `esft eval`: every ESConfig field is a kebab-case flag; `--config run.yaml` sets
-any of them (flags override). User errors print one line and exit with code 2."""
+any of them (flags override). `esft report RUN_DIR...`: a run's (or several runs') curves as an HTML
+page (esft.report). User errors print one line and exit with code 2."""
 
 from __future__ import annotations
 
@@ -49,7 +50,28 @@ def build_parser() -> argparse.ArgumentParser:
                 sub.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
             else:
                 sub.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
+    _add_report_parser(commands)
     return parser
+
+
+def _add_report_parser(commands) -> None:
+    summary = "Plot one run, or several side by side, as a self-contained HTML page (PNGs beside it)."
+    report = commands.add_parser("report", help=summary, description=summary + " Every train writes RUN_DIR/report.html itself.")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (holds metrics.jsonl and config.yaml)")
+    report.add_argument("--out", metavar="FILE.html", help="page to write; PNGs go beside it as <FILE>-<figure>.png "
+                        "[default: RUN_DIR/report.html for one run, ./esft-report.html for several]")
+
+
+def run_report(run_dirs: list[str], out: str | None) -> int:
+    """`esft report`: write the page and print where it is; a directory that is not a run is a user error."""
+    from esft.report import ReportError, write_report
+
+    try:
+        print(f"report: {write_report(run_dirs, out)}")
+    except ReportError as error:
+        print(f"esft: error: {_one_line(error)}", file=sys.stderr)
+        return USER_ERROR
+    return 0
 
 
 def _flags(names) -> list[str]:
@@ -152,13 +174,18 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
     for split, items in splits.items():
         print(f"{split}: {', '.join(items)}")
     print(f"run directory: {trainer.run_dir}")
+    if trainer.report_path is not None:
+        print(f"report: {trainer.report_path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "report":
+        return run_report(args.run_dirs, args.out)
     given = {k: v for k, v in vars(args).items() if k != "command"}
     from esft.tasks.base import TaskError
 
+    trainer = None
     try:
         config, preset = resolve_config(args.command, given)
         from esft.trainer import ESTrainer, new_run_dir
@@ -185,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except KeyboardInterrupt:
-        print("esft: interrupted; resume with --resume <run directory>", file=sys.stderr)
+        report = f"; report: {trainer.report_path}" if trainer is not None and trainer.report_path else ""
+        print(f"esft: interrupted; resume with --resume <run directory>{report}", file=sys.stderr)
         return 130
     return 0
 

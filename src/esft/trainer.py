@@ -27,6 +27,7 @@ from esft.config import ConfigError, ESConfig
 from esft.factory import build_engine, build_executor, model_path
 from esft.metrics import MetricsLogger, check_backend
 from esft.evaluation import EvalSettings, evaluate_task
+from esft.report import report_after_training
 from esft.rewards import RewardRunner, mean_of, reward_name
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
@@ -112,6 +113,7 @@ class ESTrainer:
         self.run_dir: Path | None = None
         self.initial_metrics: dict[str, float] = {}
         self._logger: MetricsLogger | None = None
+        self.report_path: Path | None = None  # report.html, written by train() (esft.report)
 
     # ------------------------------------------------------------------ setup
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
@@ -196,7 +198,15 @@ class ESTrainer:
 
     # ------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
-        """Run ES for `args.iterations` updates (evaluating before and after); returns the last metrics."""
+        """Run ES for `args.iterations` updates (evaluating before and after); returns the last metrics.
+        Then writes `report.html` into the run directory (`self.report_path`), also when the run is
+        interrupted (KeyboardInterrupt) or fails after it started logging."""
+        try:
+            return self._train(resume_from_checkpoint)
+        finally:
+            self.report_path = report_after_training(self.run_dir)
+
+    def _train(self, resume_from_checkpoint: str | None) -> dict[str, float]:
         args = self.args
         if resume_from_checkpoint is not None:
             self.resume_checkpoint = resolve_resume(resume_from_checkpoint)
