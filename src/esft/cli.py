@@ -1,5 +1,6 @@
 """`esft train` / `esft eval`: every ESConfig field is a kebab-case flag; `--config run.yaml` sets
-any of them (flags override). User errors print one line and exit with code 2."""
+any of them (flags override). `esft report RUN_DIR...`: a run's (or several runs') curves as an HTML
+page (esft.report). User errors print one line and exit with code 2."""
 
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
             else:
                 group.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
+    _add_report_parser(commands)
     return parser
 
 
@@ -86,6 +88,26 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         if gone:
             dropped.append(f"{flag} turns off the demo preset's {', '.join(_flags(gone))} ({why})")
     return preset, dropped
+
+
+def _add_report_parser(commands) -> None:
+    summary = "Plot one run, or several side by side, as a self-contained HTML page (PNGs beside it)."
+    report = commands.add_parser("report", help=summary, description=summary + " Every train writes RUN_DIR/report.html itself.")
+    report.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory (holds metrics.jsonl and config.yaml)")
+    report.add_argument("--out", metavar="FILE.html", help="page to write; PNGs go beside it as <FILE>-<figure>.png "
+                        "[default: RUN_DIR/report.html for one run, ./esft-report.html for several]")
+
+
+def run_report(run_dirs: list[str], out: str | None) -> int:
+    """`esft report`: write the page and print where it is; a directory that is not a run is a user error."""
+    from esft.report import ReportError, write_report
+
+    try:
+        print(f"report: {write_report(run_dirs, out)}")
+    except ReportError as error:
+        print(f"esft: error: {_one_line(error)}", file=sys.stderr)
+        return USER_ERROR
+    return 0
 
 
 def _flags(names) -> list[str]:
@@ -231,17 +253,21 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
     if final.get("reward/failures_total"):
         print(f"reward failures: {final['reward/failures_total']} samples got the failure reward (see above)")
     print(f"run directory: {trainer.run_dir}")
+    if trainer.report_path is not None:
+        print(f"report: {trainer.report_path}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(join_negative_numbers(list(sys.argv[1:] if argv is None else argv)))
+    if args.command == "report":
+        return run_report(args.run_dirs, args.out)
     given = {k: v for k, v in vars(args).items() if k != "command"}
     from esft.checkpoint import CheckpointError
     from esft.engines.base import NonFiniteWeights
     from esft.rewards import RewardError
     from esft.tasks.base import TaskError
 
-    run = None
+    run = trainer = None
     try:
         config, preset, point = resolve_config(args.command, given)
         from esft.runs import open_run
@@ -282,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         return USER_ERROR
     except KeyboardInterrupt:
         hint = f"resume with --resume {run.path}" if run is not None else "nothing was written"
-        print(f"esft: interrupted; {hint}", file=sys.stderr)
+        report = f"; report: {trainer.report_path}" if trainer is not None and trainer.report_path else ""
+        print(f"esft: interrupted; {hint}{report}", file=sys.stderr)
         return 130
     return 0
 

@@ -21,6 +21,7 @@ from esft.evaluation import EvalSettings, evaluate_task
 from esft.executors import build_executor
 from esft.files import make_temporary_dir
 from esft.metrics import MetricsLogger, check_backend
+from esft.report import report_after_training
 from esft.rewards import RewardError, failing_everywhere, mean_of, reward_runners
 from esft.runs import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
@@ -75,6 +76,7 @@ class ESTrainer:
         """Per reward function: failed and scored samples of this train() call, and the first failure."""
         self._budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
         self._logger: MetricsLogger | None = None
+        self.report_path: Path | None = None  # report.html, written by train() (esft.report)
 
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         args = self.args
@@ -116,7 +118,9 @@ class ESTrainer:
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
         """Run ES for `args.iterations` updates (evaluating before and after); returns the last
         metrics, with the run's reward failure counts. Resumes from `resume_from_checkpoint` (or
-        --resume): a checkpoint, or a run directory (esft.runs.find_resume_point)."""
+        --resume): a checkpoint, or a run directory (esft.runs.find_resume_point). Then writes
+        `report.html` into the run directory (`self.report_path`), also when the run is interrupted
+        or stops with an error after it started logging."""
         args = self.args
         if self.run is None:
             resume = resume_from_checkpoint or args.resume
@@ -128,6 +132,7 @@ class ESTrainer:
             if self._logger is not None:
                 self._logger.close()
             self.close()
+            self.report_path = report_after_training(self.run_dir)
 
     def _train(self) -> dict[str, float]:
         args, point = self.args, self.run.resume

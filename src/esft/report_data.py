@@ -1,0 +1,198 @@
+"""What `esft report` plots, read from run directories: settings (config.yaml), metric rows
+(metrics.jsonl) and the series derived from them. No matplotlib here (esft.report draws).
+
+metrics.jsonl is read the way a killed or resumed run leaves it: torn or non-JSON lines are skipped
+(and counted), a repeated iteration keeps its last row, null (a NaN the logger wrote) is NaN."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from esft.metrics import METRICS_FILE
+
+CONFIG_FILE = "config.yaml"
+# Bookkeeping settings: they never make two runs' curves differ, so they are not "settings that differ".
+IGNORED_SETTINGS = ("run_name", "output_dir", "resume", "progress", "logging")
+BUDGET_KINDS = ("completions", "tokens", "seconds")
+DERIVED_BUDGET = {
+    "completions": "derived: population × batch",
+    "tokens": "derived: mean length × completions",
+    "seconds": "derived: Σ perf/iteration_s, no evals",
+}
+
+
+class ReportError(Exception):
+    """A directory that cannot be reported (not a run, no metrics.jsonl, unreadable): one line for the user."""
+
+
+@dataclass
+class Run:
+    """One run directory, read: `rows` has one row per iteration, ascending."""
+
+    path: Path
+    name: str
+    config: dict[str, Any]
+    rows: list[dict[str, Any]]
+    skipped_lines: list[int] = field(default_factory=list)
+
+    @property
+    def iteration_rows(self) -> list[dict[str, Any]]:
+        """Rows of ES iterations (iteration 0, the evaluation before training, has none of their keys)."""
+        return [row for row in self.rows if "reward/mean" in row]
+
+    @property
+    def eval_rows(self) -> list[dict[str, Any]]:
+        """Rows that hold an evaluation."""
+        return [row for row in self.rows if any(key.startswith("eval/") for key in row)]
+
+    @property
+    def last_iteration(self) -> int:
+        """The last iteration logged."""
+        return self.rows[-1]["iteration"]
+
+    @property
+    def status(self) -> str:
+        """'complete', or where a killed/interrupted run stopped."""
+        planned = self.config.get("iterations")
+        if (self.path / "final").is_dir() or planned is None or self.last_iteration >= planned:
+            return "complete"
+        return f"stopped at iteration {self.last_iteration} of {planned}"
+
+    def series(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
+        """(iterations, values) of `key` over `rows` (default: all rows having it); null → NaN."""
+        rows = [row for row in (self.rows if rows is None else rows) if key in row]
+        return [row["iteration"] for row in rows], [as_float(row[key]) for row in rows]
+
+    def budget(self, kind: str) -> tuple[dict[int, float], str] | None:
+        """Cumulative training budget ('completions', 'tokens' or 'seconds') at the end of each
+        iteration, and where it comes from: the logged `budget/<kind>` when the run recorded it, else
+        derived from the iteration rows (DERIVED_BUDGET); None when neither is possible."""
+        key = f"budget/{kind}"
+        if any(key in row for row in self.rows):
+            recorded = {row["iteration"]: as_float(row[key]) for row in self.rows if key in row}
+            recorded.setdefault(0, 0.0)  # nothing is spent before training
+            return recorded, f"recorded: {key}"
+        per_member = _int_setting(self.config, "population_size") * _int_setting(self.config, "batch_size")
+        amount = {
+            "completions": lambda row: per_member or math.nan,
+            "tokens": lambda row: as_float(row.get("completions/mean_length")) * (per_member or math.nan),
+            "seconds": lambda row: as_float(row.get("perf/iteration_s")),
+        }[kind]
+        total, spent = 0.0, {0: 0.0}
+        for row in self.iteration_rows:
+            step = amount(row)
+            total += 0.0 if math.isnan(step) else step  # an unknown step adds nothing, the curve goes on
+            spent[row["iteration"]] = total
+        if not self.iteration_rows or total == 0.0:
+            return None
+        return spent, DERIVED_BUDGET[kind]
+
+
+def as_float(value: Any) -> float:
+    """A logged number as float; null (NaN/inf was logged as null) and non-numbers → NaN."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return math.nan
+    return float(value)
+
+
+def _int_setting(config: dict[str, Any], name: str) -> int:
+    value = config.get(name)
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def load_run(path: str | Path) -> Run:
+    """Read one run directory; ReportError when it is not one or holds no metric row."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ReportError(f"{path}: not a directory; give a run directory (one holding {METRICS_FILE}, "
+                          "e.g. runs/<run-name>)")
+    metrics = path / METRICS_FILE
+    if not metrics.is_file():
+        raise ReportError(f"{path}: not a run directory (no {METRICS_FILE}); give the directory that "
+                          "`esft train` printed as 'run directory'")
+    try:
+        lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as error:
+        raise ReportError(f"{metrics}: cannot read it ({error.strerror})") from None
+    by_iteration: dict[int, dict[str, Any]] = {}
+    skipped = []
+    for number, line in enumerate(lines, start=1):
+        row = _parse_row(line)
+        if row is None:
+            if line.strip():
+                skipped.append(number)
+            continue
+        by_iteration[row["iteration"]] = row  # a repeated iteration: the last row wins
+    if not by_iteration:
+        raise ReportError(f"{metrics}: no metric row (a run that stopped before its first evaluation); "
+                          "nothing to report")
+    rows = [by_iteration[iteration] for iteration in sorted(by_iteration)]
+    return Run(path, path.resolve().name, _read_config(path / CONFIG_FILE), rows, skipped)
+
+
+def _parse_row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(row, dict) or not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
+        return None
+    return row
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """config.yaml's settings; {} when missing (a run written by other code) or unreadable."""
+    import yaml
+
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def load_runs(paths: list[str | Path]) -> list[Run]:
+    """Read every run; runs with the same directory name are told apart by their parent's name."""
+    runs = [load_run(path) for path in paths]
+    names = [run.name for run in runs]
+    for run in runs:
+        if names.count(run.name) > 1:
+            run.name = f"{run.path.resolve().parent.name}/{run.name}"
+    return runs
+
+
+def held_out_keys(runs: list[Run]) -> list[str]:
+    """The held-out metric plotted per eval split, in the order logged: `eval/<split>/accuracy`, or
+    `eval/<split>/reward` for a split no run measured accuracy on (a task without accuracy function)."""
+    metrics: dict[str, set[str]] = {}
+    for run in runs:
+        for row in run.rows:
+            for key in row:
+                parts = key.split("/")
+                if len(parts) == 3 and parts[0] == "eval" and parts[2] in ("accuracy", "reward"):
+                    metrics.setdefault(parts[1], set()).add(parts[2])
+    return [f"eval/{split}/{'accuracy' if 'accuracy' in found else 'reward'}" for split, found in metrics.items()]
+
+
+def differing_settings(runs: list[Run]) -> list[str]:
+    """Settings (config.yaml keys) whose values are not the same in every run."""
+    keys: dict[str, None] = {}
+    for run in runs:
+        keys |= dict.fromkeys(run.config)
+    return [key for key in keys if key not in IGNORED_SETTINGS
+            and len({json.dumps(run.config.get(key), sort_keys=True, default=str) for run in runs}) > 1]
+
+
+def run_labels(runs: list[Run], settings: list[str], shown: int = 3) -> dict[str, str]:
+    """Legend label per run name: the name and (up to `shown` of) the settings that differ."""
+    labels = {}
+    for run in runs:
+        parts = [f"{key}={run.config.get(key)}" for key in settings[:shown]]
+        if len(settings) > shown:
+            parts.append("…")
+        labels[run.name] = f"{run.name} ({', '.join(parts)})" if parts else run.name
+    return labels
