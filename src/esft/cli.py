@@ -28,6 +28,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USER_ERROR, f"esft: error: {message} (see '{self.prog} --help')\n")
 
 
+class _Repeated(argparse.Action):
+    """A flag that may be repeated: its values are joined with commas (--reward-model A --reward-model B = A,B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="esft", description="Fine-tune causal LMs with Evolution Strategies (reward is maximized).")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -47,9 +55,36 @@ def build_parser() -> argparse.ArgumentParser:
             help_text = f"{field.metadata['help']} [default: {field.default}]"
             if field.type == "bool":
                 sub.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
+            elif field.metadata.get("repeatable"):
+                sub.add_argument(flag, action=_Repeated, metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
             else:
                 sub.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
+    _add_serve_reward(commands)
     return parser
+
+
+def _add_serve_reward(commands) -> None:
+    """`esft serve-reward`: esft.serve's settings (README "Reward models")."""
+    from esft.reward_models import DTYPE_NAMES
+
+    sub = commands.add_parser("serve-reward", help="Serve a reward model over HTTP (pip install 'esft[serve]').",
+                              description="Serve a sequence-classification reward model over HTTP: POST /score, POST "
+                              "/get_reward (OpenRLHF), GET /health. Concurrent requests are scored in shared batches.")
+    sub.add_argument("--model", required=True, help="Local directory or hub id of the reward model (one output logit).")
+    for flag, kind, default, text in (
+        ("--host", str, "127.0.0.1", "Address to listen on (loopback by default; 0.0.0.0 for every interface)."),
+        ("--port", int, 8000, "Port (0 = any free port; the chosen one is printed)."),
+        ("--batch-size", int, 32, "Most completions per forward pass; concurrent requests are coalesced up to it."),
+        ("--api-key-env", str, None, "Name of an environment variable holding an API key: requests then need "
+                                     "'Authorization: Bearer <key>' (else 401)."),
+        ("--device", str, "auto", "cpu, cuda, cuda:N or auto (CUDA if available)."),
+        ("--dtype", str, "auto", "float32, bfloat16, float16 or auto (the checkpoint's on a GPU, float32 on CPU)."),
+        ("--max-queue", int, 256, "Requests that may wait for the model; more get 503."),
+        ("--max-request-items", int, 4096, "Most completions in one request; more get 413."),
+        ("--max-body-mb", float, 16.0, "Largest request body in MiB; larger get 413."),
+    ):
+        sub.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]",
+                         choices=DTYPE_NAMES if flag == "--dtype" else None)
 
 
 def _flags(names) -> list[str]:
@@ -154,12 +189,28 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
     print(f"run directory: {trainer.run_dir}")
 
 
+def _serve_reward(settings: dict[str, Any]) -> int:
+    from esft.tasks.base import TaskError
+
+    try:
+        from esft.serve import serve
+    except ImportError as error:
+        raise UserError(f"esft serve-reward needs FastAPI and uvicorn ({error}): pip install 'esft[serve]'") from None
+    try:
+        serve(**settings)
+    except (TaskError, ConfigError) as error:
+        raise UserError(str(error)) from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     given = {k: v for k, v in vars(args).items() if k != "command"}
     from esft.tasks.base import TaskError
 
     try:
+        if args.command == "serve-reward":
+            return _serve_reward(given)
         config, preset = resolve_config(args.command, given)
         from esft.trainer import ESTrainer, new_run_dir
 

@@ -46,8 +46,9 @@ class ConfigError(ValueError):
         super().__init__(f"--{name.replace('_', '-')}: {message}")
 
 
-def _doc(text: str, **kwargs) -> Any:
-    return field(metadata={"help": text}, **kwargs)
+def _doc(text: str, repeatable: bool = False, **kwargs) -> Any:
+    # repeatable: the flag may be given several times, its values joined with commas (esft.cli)
+    return field(metadata={"help": text, "repeatable": repeatable}, **kwargs)
 
 
 @dataclass
@@ -82,8 +83,25 @@ class ESConfig:
         "path/to/file.py:function, comma-separated; TRL's signature f(prompts, completions, **columns).",
         default=None,
     )
+    reward_model: str | None = _doc(
+        "Reward models scoring prompt + completion (TRL's rule: chat data through the reward model's chat "
+        "template): local directories or hub ids of sequence-classification models with one output, "
+        "comma-separated or the flag repeated. Loaded in the trainer process; like --reward-funcs, a task "
+        "from --train-data/--eval-data (README: Reward models).",
+        default=None, repeatable=True,
+    )
+    reward_url: str | None = _doc(
+        "Reward services (esft serve-reward, POST /score) as reward functions: base URLs such as "
+        "http://127.0.0.1:8000, comma-separated or the flag repeated; 'URL1|URL2' is one service behind "
+        "several replicas (load-balanced). API key: $ESFT_REWARD_API_KEY. Like --reward-funcs, a task from "
+        "--train-data/--eval-data.",
+        default=None, repeatable=True,
+    )
+    reward_model_device: str = _doc("Device of the --reward-model models: auto (CUDA if available), cpu, cuda or cuda:N.",
+                                    default="auto")
     reward_weights: str | None = _doc(
-        "Comma-separated weights of the --reward-funcs in the summed reward, e.g. 1,0.5. Default: all 1.",
+        "Comma-separated weights of the rewards in the summed reward, in this order: --reward-funcs, then "
+        "--reward-model, then --reward-url; e.g. 1,0.5. Default: all 1.",
         default=None,
     )
     reward_sandbox: bool = _doc(
@@ -215,7 +233,10 @@ class ESConfig:
     def __post_init__(self) -> None:
         if self.alpha is None:
             self.alpha = self.sigma / 2 if _is_number(self.sigma) else None
-        if self.reward_funcs and self.task == "countdown":  # the default task: --reward-funcs replaces it
+        for name in ("reward_model", "reward_url"):  # a list (Python, YAML) means the same as commas
+            if isinstance(getattr(self, name), (list, tuple)):
+                setattr(self, name, ",".join(str(item) for item in getattr(self, name)))
+        if self.custom_rewards() and self.task == "countdown":  # the default task: --reward-funcs replaces it
             self.task = "custom"
         self.validate()
 
@@ -284,10 +305,11 @@ class ESConfig:
             # train/eval data may also name a dataset in the local cache: checked when loaded
             if value is not None and not Path(value).exists() and (name == "resume" or looks_like_path(value)):
                 raise ConfigError(name, f"{value!r} does not exist; check the path")
-        if (self.task == "custom") != bool(self.reward_funcs):
-            raise ConfigError("task" if self.reward_funcs else "reward_funcs",
-                              f"--reward-funcs builds its own task from --train-data/--eval-data; drop --task {self.task}"
-                              if self.reward_funcs else "--task custom needs --reward-funcs module:function")
+        if (self.task == "custom") != self.custom_rewards():
+            raise ConfigError("task" if self.custom_rewards() else "reward_funcs",
+                              f"--reward-funcs/--reward-model/--reward-url build their own task from --train-data/--eval-data; "
+                              f"drop --task {self.task}" if self.custom_rewards() else "--task custom needs --reward-funcs module:function")
+        self._validate_reward_models()
         if not self.reward_timeout > 0:
             raise ConfigError("reward_timeout", f"must be > 0 seconds, got {self.reward_timeout}")
         if not math.isfinite(self.failure_reward):
@@ -301,24 +323,48 @@ class ESConfig:
                               "(greedy decoding gives the same completion every time)")
         self.parsed_reward_weights()
 
+    def custom_rewards(self) -> bool:
+        """--reward-funcs, --reward-model or --reward-url given: the task is built from the data files."""
+        return bool(self.reward_funcs or self.reward_model or self.reward_url)
+
+    def _validate_reward_models(self) -> None:
+        from esft.remote_reward import url_problem
+        from esft.reward_models import device_problem
+
+        for spec in split_list(self.reward_model):
+            if _looks_like_path(spec) and not Path(spec).is_dir():
+                raise ConfigError("reward_model", f"directory {spec!r} does not exist; give a reward model directory or a hub id")
+        for url in (url for group in split_list(self.reward_url) for url in group.split("|")):
+            if problem := url_problem(url):
+                raise ConfigError("reward_url", problem)
+        if problem := device_problem(self.reward_model_device):
+            raise ConfigError("reward_model_device", problem)
+
     def parsed_reward_weights(self) -> list[float] | None:
-        """--reward-weights as floats (checked against the number of --reward-funcs)."""
+        """--reward-weights as floats (checked against the number of rewards: --reward-funcs, then
+        --reward-model, then --reward-url)."""
         if self.reward_weights is None:
             return None
-        if not self.reward_funcs:
-            raise ConfigError("reward_weights", "weights need --reward-funcs (a --task sets its own weights)")
+        if not self.custom_rewards():
+            raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url (a --task sets its own weights)")
         try:
             weights = [float(w) for w in self.reward_weights.split(",")]
         except ValueError:
             raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5; got {self.reward_weights!r}") from None
-        count = len([f for f in self.reward_funcs.split(",") if f.strip()])
+        count = sum(len(split_list(value)) for value in (self.reward_funcs, self.reward_model, self.reward_url))
         if len(weights) != count or not all(math.isfinite(w) for w in weights):
-            raise ConfigError("reward_weights", f"{self.reward_weights!r} must be {count} finite numbers, one per --reward-funcs function")
+            raise ConfigError("reward_weights", f"{self.reward_weights!r} must be {count} finite numbers, one per reward "
+                              "(--reward-funcs, then --reward-model, then --reward-url)")
         return weights
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for config.yaml and checkpoints."""
         return dataclasses.asdict(self)
+
+
+def split_list(value: str | None) -> list[str]:
+    """A comma-separated setting as its non-empty items."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 def _is_number(value: Any) -> bool:

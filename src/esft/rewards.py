@@ -203,3 +203,7 @@ class RewardRunner:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+# Reward services over HTTP (esft.remote_reward), importable as esft.rewards.remote_reward.
+from esft.remote_reward import RemoteReward, RewardServiceError, remote_reward  # noqa: E402

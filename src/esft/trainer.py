@@ -121,7 +121,7 @@ class ESTrainer:
                 raise ConfigError("task", f"unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
                                   "or module:function / path/to/file.py:function")
             return task_from_config(args, args.parsed_reward_weights())
-        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func)
+        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func, args.reward_model_device)
 
     def _load_tokenizer(self, model: Any):
         from transformers import AutoTokenizer
