@@ -100,6 +100,19 @@ def test_several_urls_are_load_balanced_and_a_dead_one_goes_last(server, in_proc
     remote.close()
 
 
+def test_a_service_that_never_answers_times_out_and_is_retried():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts connections (backlog), never answers
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        remote = remote_reward(url, timeout=0.3, retries=1, backoff=0.1)
+        started = time.monotonic()
+        with pytest.raises(RewardServiceError, match=r"failed 2 attempts .*/score: ReadTimeout"):
+            remote(["a"], ["b"])
+        assert 0.6 <= time.monotonic() - started < 5 and remote.stats["requests"] == 2
+        with pytest.raises(RewardServiceError, match="not retried for 10s"):  # the cooldown: fails at once
+            remote(["a"], ["b"])
+        assert remote.stats["requests"] == 2 and remote.stats["fast_failures"] == 1
+
+
 def test_concurrent_clients_are_each_answered_once_and_share_batches(server, in_process):
     texts = [f"prompt {i} " + "x" * (i % 7) for i in range(24)]
     expected = dict(zip(texts, in_process(texts, [""] * len(texts))))
@@ -188,7 +201,7 @@ def test_a_killed_server_costs_failures_a_restarted_one_is_picked_up_a_full_one_
     with pytest.raises(RewardServiceError, match=rf"failed 3 attempts .*{port}/score: ConnectError"):
         remote_reward(url, retries=2, backoff=0.1)(["a"], ["b"])
 
-    patient = remote_reward(url, retries=10, backoff=0.25, max_backoff=2)  # up to ~15 s of retries
+    patient = remote_reward(url, retries=40, backoff=0.25, max_backoff=0.5)  # up to ~20 s of retries
     result = {}
     caller = threading.Thread(target=lambda: result.update(rewards=patient(["a", "bb"], ["1", "2"])))
     caller.start()

@@ -145,7 +145,7 @@ class RemoteReward:
                 except httpx.TransportError as error:
                     with self._lock:
                         self._refused[url] = time.monotonic()
-                    last = f"{url}{path}: {type(error).__name__}: {error or 'no answer'}"
+                    last = f"{url}{path}: {type(error).__name__}: {str(error) or 'no answer'}"
                     continue
                 with self._lock:
                     self._refused.pop(url, None)
