@@ -161,6 +161,26 @@ def test_malformed_requests_get_a_4xx_with_a_one_line_message(server, name, requ
     assert httpx.get(f"{server}/health", headers=headers if "token" in name else AUTH).status_code == (401 if "token" in name else 200)
 
 
+def test_a_failing_forward_pass_is_a_500_with_a_message_and_the_server_goes_on(tmp_path):
+    """A real broken model (its embedding has 100 rows; the tokenizer has 258 tokens: a space is
+    token 100+), served by the real app through starlette's in-process client."""
+    from fastapi.testclient import TestClient
+
+    from esft.serve import create_app
+    from tiny_model import build_tiny_reward_model
+
+    broken = RewardModel(str(build_tiny_reward_model(tmp_path)))
+    broken.load()
+    broken.model.resize_token_embeddings(100)
+    with TestClient(create_app(broken, batch_size=4), raise_server_exceptions=False) as client:
+        ok = {"prompts": ["ab"], "completions": ["c!"]}  # printable ASCII: tokens below 100
+        assert client.post("/score", json=ok).status_code == 200
+        failing = client.post("/score", json={"prompts": ["a b"], "completions": ["c"]})
+        assert failing.status_code == 500 and failing.json()["detail"].startswith("internal error: IndexError")
+        assert "Traceback" not in failing.text and "\n" not in failing.json()["detail"]
+        assert client.post("/score", json=ok).status_code == 200 and client.get("/health").json()["requests_served"] == 2
+
+
 def test_an_es_run_on_the_embedded_model_scored_by_the_service(server, in_process, tmp_path):
     prompts = ["2 + 2 =", "3 + 5 =", "7 - 4 =", "9 - 1 =", "1 + 8 ="]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))

@@ -236,8 +236,9 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception):
-        logger.error("%s %s failed: %s: %s", request.method, request.url.path, type(error).__name__, error)
-        return JSONResponse({"detail": f"internal error: {type(error).__name__}: {' '.join(str(error).split())[:300]}"}, 500)
+        message = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+        logger.error("%s %s failed: %s", request.method, request.url.path, message)
+        return JSONResponse({"detail": f"internal error: {message}"}, 500)
 
     def checked(count: int) -> Batcher:
         if count > max_request_items:
