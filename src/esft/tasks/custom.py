@@ -190,7 +190,6 @@ def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: 
         flag = "--reward-funcs" if reward_funcs else "--reward-model" if reward_model else "--reward-url"
         raise TaskError(f"{flag}: give the data too, with --train-data FILE (and/or --eval-data FILE)")
     funcs = [load_callable(spec.strip(), "--reward-funcs") for spec in (reward_funcs or "").split(",") if spec.strip()]
-    funcs += service_rewards(reward_model, reward_url, reward_model_device)
     train, evals, metadata = [], {}, {}
     if train_data is not None:
         splits = load_splits(train_data)
@@ -203,6 +202,7 @@ def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: 
         evals = load_splits(eval_data)
         single_file = Path(eval_data).is_file()
         metadata["eval_labels"] = {split: str(eval_data) if single_file else f"{eval_data} (split {split!r})" for split in evals}
+    funcs += service_rewards(reward_model, reward_url, reward_model_device)  # after the data: bad data fails faster
     task = Task("custom", train, evals, funcs, reward_weights, metadata=metadata)
     return prepare_task(task, "--reward-funcs")
 
