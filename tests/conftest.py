@@ -8,13 +8,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model, build_tiny_reward_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama saved to disk once per test session."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_dir(tmp_path_factory) -> Path:
+    """A tiny random reward model (LlamaForSequenceClassification, one output) saved once per session."""
+    return build_tiny_reward_model(tmp_path_factory.mktemp("tiny-reward-model"))
 
 
 @pytest.fixture

@@ -36,3 +36,26 @@ def build_tiny_model(path: Path, seed: int = 0, dtype: torch.dtype = torch.float
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def build_tiny_reward_model(path: Path, seed: int = 0, chat_template: str | None = None) -> Path:
+    """Save a randomly initialised 2-layer LlamaForSequenceClassification with one output (a reward
+    model) and the byte-level tokenizer to `path`. Its score head is scaled up so that rewards differ
+    visibly between texts (about ±1 instead of ±0.02)."""
+    from transformers import LlamaForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, num_labels=1, pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=None, architectures=["LlamaForSequenceClassification"],
+    )
+    model = LlamaForSequenceClassification(config)
+    with torch.no_grad():
+        model.score.weight.mul_(50.0)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return Path(path)

@@ -36,6 +36,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(USER_ERROR, f"esft: error: {message} (see '{self.prog} --help')\n")
 
 
+class _Repeated(argparse.Action):
+    """A flag that may be repeated: its values are joined with commas (--reward-model A --reward-model B = A,B)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        previous = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{previous},{values}" if previous else values)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="esft", description="Fine-tune causal LMs with Evolution Strategies (reward is maximized).")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -60,9 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
             group = groups[field.metadata["group"]]
             if field.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
+            elif field.metadata.get("repeatable"):
+                group.add_argument(flag, action=_Repeated, metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
             else:
                 group.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
     _add_report_parser(commands)
+    _add_serve_reward(commands)
     return parser
 
 
@@ -108,6 +119,30 @@ def run_report(run_dirs: list[str], out: str | None) -> int:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     return 0
+
+
+def _add_serve_reward(commands) -> None:
+    """`esft serve-reward`: esft.serve's settings (README "Reward models")."""
+    from esft.reward_models import DTYPE_NAMES
+
+    sub = commands.add_parser("serve-reward", help="Serve a reward model over HTTP (pip install 'esft[serve]').",
+                              description="Serve a sequence-classification reward model over HTTP: POST /score, POST "
+                              "/get_reward (OpenRLHF), GET /health. Concurrent requests are scored in shared batches.")
+    sub.add_argument("--model", required=True, help="Local directory or hub id of the reward model (one output logit).")
+    for flag, kind, default, text in (
+        ("--host", str, "127.0.0.1", "Address to listen on (loopback by default; 0.0.0.0 for every interface)."),
+        ("--port", int, 8000, "Port (0 = any free port; the chosen one is printed)."),
+        ("--batch-size", int, 32, "Most completions per forward pass; concurrent requests are coalesced up to it."),
+        ("--api-key-env", str, None, "Name of an environment variable holding an API key: requests then need "
+                                     "'Authorization: Bearer <key>' (else 401)."),
+        ("--device", str, "auto", "cpu, cuda, cuda:N or auto (CUDA if available)."),
+        ("--dtype", str, "auto", "float32, bfloat16, float16 or auto (the checkpoint's on a GPU, float32 on CPU)."),
+        ("--max-queue", int, 256, "Requests that may wait for the model; more get 503."),
+        ("--max-request-items", int, 4096, "Most completions in one request; more get 413."),
+        ("--max-body-mb", float, 16.0, "Largest request body in MiB; larger get 413."),
+    ):
+        sub.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]",
+                         choices=DTYPE_NAMES if flag == "--dtype" else None)
 
 
 def _flags(names) -> list[str]:
@@ -257,6 +292,20 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
         print(f"report: {trainer.report_path}")
 
 
+def _serve_reward(settings: dict[str, Any]) -> int:
+    try:
+        from esft.serve import serve
+    except ImportError as error:
+        raise UserError(f"esft serve-reward needs FastAPI and uvicorn ({error}): pip install 'esft[serve]'") from None
+    from esft.reward_models import RewardModelError
+
+    try:
+        serve(**settings)
+    except (RewardModelError, ConfigError) as error:
+        raise UserError(str(error)) from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(join_negative_numbers(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "report":
@@ -269,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
 
     run = trainer = None
     try:
+        if args.command == "serve-reward":
+            return _serve_reward(given)
         config, preset, point = resolve_config(args.command, given)
         from esft.runs import open_run
         from esft.trainer import ESTrainer

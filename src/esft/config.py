@@ -7,9 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.config_rules import CHOICES, EMBEDDED_MODEL, ConfigError, check, is_number
+from esft.config_rules import CHOICES, EMBEDDED_MODEL, ConfigError, check, is_number, reward_weights, split_list
 
-__all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "model_path"]
+__all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "model_path",
+           "split_list"]
 
 # The demo's speed preset: on the embedded model, low-rank noise with the whole population in one
 # batched generate call per 8 prompts (240 rows) is the fastest setting measured to keep the demo's
@@ -35,10 +36,11 @@ GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging an
 """The sections of ESConfig (and of `esft train --help`), in order."""
 
 
-def _in(group: str, text: str, **kwargs) -> Any:
-    """A documented field of a GROUPS section."""
+def _in(group: str, text: str, repeatable: bool = False, **kwargs) -> Any:
+    """A documented field of a GROUPS section; a `repeatable` flag may be given several times, its
+    values joined with commas (esft.cli)."""
     assert group in GROUPS, group
-    return field(metadata={"help": text, "group": group}, **kwargs)
+    return field(metadata={"help": text, "group": group, "repeatable": repeatable}, **kwargs)
 
 
 @dataclass
@@ -156,9 +158,28 @@ class ESConfig:
         "path/to/file.py:function, comma-separated; TRL's signature f(prompts, completions, **columns).",
         default=None,
     )
+    reward_model: str | None = _in(
+        "rewards",
+        "Reward models scoring prompt + completion (TRL's rule: chat data through the reward model's chat "
+        "template): local directories or hub ids of sequence-classification models with one output, "
+        "comma-separated or the flag repeated. Loaded in the trainer process; like --reward-funcs, a task "
+        "from --train-data/--eval-data (README: Reward models).",
+        default=None, repeatable=True,
+    )
+    reward_url: str | None = _in(
+        "rewards",
+        "Reward services (esft serve-reward, POST /score) as reward functions: base URLs such as "
+        "http://127.0.0.1:8000, comma-separated or the flag repeated; 'URL1|URL2' is one service behind "
+        "several replicas (load-balanced). API key: $ESFT_REWARD_API_KEY. Like --reward-funcs, a task from "
+        "--train-data/--eval-data.",
+        default=None, repeatable=True,
+    )
+    reward_model_device: str = _in("rewards", "Device of the --reward-model models: auto (CUDA if available), cpu, "
+                                   "cuda or cuda:N.", default="auto")
     reward_weights: str | None = _in(
         "rewards",
-        "Comma-separated weights of the --reward-funcs in the summed reward, e.g. 1,0.5. Default: all 1.",
+        "Comma-separated weights of the rewards in the summed reward, in this order: --reward-funcs, then "
+        "--reward-model, then --reward-url; e.g. 1,0.5. Default: all 1.",
         default=None,
     )
     reward_sandbox: bool = _in(
@@ -251,7 +272,10 @@ class ESConfig:
     def __post_init__(self) -> None:
         if self.alpha is None:
             self.alpha = self.sigma / 2 if is_number(self.sigma) else None
-        if self.reward_funcs and self.task == "countdown":  # the default task: --reward-funcs replaces it
+        for name in ("reward_model", "reward_url"):  # a list (Python, YAML) means the same as commas
+            if isinstance(getattr(self, name), (list, tuple)):
+                setattr(self, name, ",".join(str(item) for item in getattr(self, name)))
+        if self.custom_rewards() and self.task == "countdown":  # the default task: the rewards replace it
             self.task = "custom"
         for name in ("output_dir", "train_data", "eval_data", "resume", "base_model", "model"):
             value = getattr(self, name)
@@ -263,20 +287,13 @@ class ESConfig:
         """Raise ConfigError naming the first invalid field and how to fix it (esft.config_rules)."""
         check(self)
 
+    def custom_rewards(self) -> bool:
+        """--reward-funcs, --reward-model or --reward-url given: the task is built from the data files."""
+        return bool(self.reward_funcs or self.reward_model or self.reward_url)
+
     def parsed_reward_weights(self) -> list[float] | None:
-        """--reward-weights as floats (checked against the number of --reward-funcs)."""
-        if self.reward_weights is None:
-            return None
-        if not self.reward_funcs:
-            raise ConfigError("reward_weights", "weights need --reward-funcs (a --task sets its own weights)")
-        try:
-            weights = [float(w) for w in self.reward_weights.split(",")]
-        except ValueError:
-            raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5; got {self.reward_weights!r}") from None
-        count = len([f for f in self.reward_funcs.split(",") if f.strip()])
-        if len(weights) != count or not all(math.isfinite(w) for w in weights):
-            raise ConfigError("reward_weights", f"{self.reward_weights!r} must be {count} finite numbers, one per --reward-funcs function")
-        return weights
+        """--reward-weights as floats, one per reward: --reward-funcs, then --reward-model, then --reward-url."""
+        return reward_weights(self)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for config.yaml and checkpoints."""

@@ -81,10 +81,11 @@ def check(config) -> None:
         # train/eval data may also name a dataset in the local cache: checked when loaded
         if value is not None and not Path(value).exists() and (name == "resume" or looks_like_path(value)):
             raise ConfigError(name, f"{value!r} does not exist; check the path")
-    if (config.task == "custom") != bool(config.reward_funcs):
-        raise ConfigError("task" if config.reward_funcs else "reward_funcs",
-                          f"--reward-funcs builds its own task from --train-data/--eval-data; drop --task {config.task}"
-                          if config.reward_funcs else "--task custom needs --reward-funcs module:function")
+    if (config.task == "custom") != config.custom_rewards():
+        raise ConfigError("task" if config.custom_rewards() else "reward_funcs",
+                          f"--reward-funcs/--reward-model/--reward-url build their own task from --train-data/--eval-data; "
+                          f"drop --task {config.task}" if config.custom_rewards() else "--task custom needs --reward-funcs module:function")
+    _check_reward_services(config)
     if not config.reward_timeout > 0:
         raise ConfigError("reward_timeout", f"must be > 0 seconds, got {config.reward_timeout}")
     if not config.temperature >= 0:
@@ -110,6 +111,58 @@ def _check_scale_out(config) -> None:
                 flag = f"--{engine_or_executor} {wanted}"
                 raise ConfigError(name, f"is a setting of {flag}, which this run does not use (--{engine_or_executor} "
                                   f"{getattr(config, engine_or_executor)}); add {flag} or drop it")
+
+
+def _check_reward_services(config) -> None:
+    """--reward-model directories exist, --reward-url URLs parse, --reward-model-device is a device."""
+    for spec in split_list(config.reward_model):
+        if _looks_like_path(spec) and not Path(spec).is_dir():
+            raise ConfigError("reward_model", f"directory {spec!r} does not exist; give a reward model directory or a hub id")
+    for url in (url for group in split_list(config.reward_url) for url in group.split("|")):
+        if problem := url_problem(url):
+            raise ConfigError("reward_url", problem)
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.reward_model_device):
+        raise ConfigError("reward_model_device", f"must be auto, cpu, cuda or cuda:N; got {config.reward_model_device!r}")
+
+
+def url_problem(url: str) -> str | None:
+    """Why `url` is not a reward service URL such as http://host:8000 (None if it is one)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
+    except ValueError as error:
+        return f"{url!r} is not a valid URL ({error})"
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"{url!r} is not an http(s) URL with a host, such as http://127.0.0.1:8000"
+    if parts.query or parts.fragment:
+        return f"{url!r}: give the service's base URL, without ?query or #fragment"
+    return None
+
+
+def reward_weights(config) -> list[float] | None:
+    """--reward-weights as floats, checked against the number of rewards (--reward-funcs, then
+    --reward-model, then --reward-url)."""
+    if config.reward_weights is None:
+        return None
+    if not config.custom_rewards():
+        raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url (a --task sets "
+                          "its own weights)")
+    try:
+        weights = [float(w) for w in config.reward_weights.split(",")]
+    except ValueError:
+        raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5; got {config.reward_weights!r}") from None
+    count = sum(len(split_list(value)) for value in (config.reward_funcs, config.reward_model, config.reward_url))
+    if len(weights) != count or not all(math.isfinite(w) for w in weights):
+        raise ConfigError("reward_weights", f"{config.reward_weights!r} must be {count} finite numbers, one per reward "
+                          "(--reward-funcs, then --reward-model, then --reward-url)")
+    return weights
+
+
+def split_list(value: str | None) -> list[str]:
+    """A comma-separated setting as its non-empty items."""
+    return [item.strip() for item in (value or "").split(",") if item.strip()]
 
 
 def is_number(value: Any) -> bool:

@@ -13,6 +13,14 @@ from typing import Any, NamedTuple
 
 from esft.usercode import describe, resolve, user_traceback
 
+TRUSTED_ATTRIBUTE = "__esft_trusted__"
+
+
+def trusted_reward(func):
+    """Mark a built-in reward function as trusted: it runs in-process, outside the sandbox."""
+    setattr(func, TRUSTED_ATTRIBUTE, True)
+    return func
+
 
 class RewardCall(NamedTuple):
     """The outcome of one reward function on one batch of n completions."""

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from esft.reward_values import RewardCall, call_reward
+from esft.reward_values import TRUSTED_ATTRIBUTE, RewardCall, call_reward, trusted_reward
 from esft.sandbox import Outcome, WorkerPool
 from esft.usercode import ByReference, NotShippable, describe, ship
 
@@ -38,15 +38,8 @@ PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids")
 PROMPT_SOURCE = "_prompt_source"
 """Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
 functions receive the original, as in TRL; it is never passed as a column)."""
-TRUSTED_ATTRIBUTE = "__esft_trusted__"
 FAILURE_KINDS = {"error": "raised an exception", "invalid": "returned something other than numbers",
                  "timeout": "timed out", "crash": "killed its worker process"}
-
-
-def trusted_reward(func):
-    """Mark a built-in reward function as trusted: it runs in-process, outside the sandbox."""
-    setattr(func, TRUSTED_ATTRIBUTE, True)
-    return func
 
 
 def reward_name(func: RewardFunc) -> str:
@@ -291,3 +284,7 @@ class RewardRunner:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+
+# Reward services over HTTP (esft.remote_reward), importable as esft.rewards.remote_reward.
+from esft.remote_reward import RemoteReward, RewardServiceError, remote_reward  # noqa: E402

@@ -85,7 +85,7 @@ class ESTrainer:
                 raise TaskError(f"--task: unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
                                 "or module:function / path/to/file.py:function")
             return task_from_config(args, args.parsed_reward_weights())
-        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func)
+        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func, args.reward_model_device)
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:

@@ -14,6 +14,15 @@ from typing import Any, Protocol, runtime_checkable
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
+def resolve_device(device: str):
+    """The torch device of a --device setting: "auto" picks CUDA when available, else CPU."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
 def torch_dtype(name: str):
     """The torch dtype of a --dtype name."""
     import torch

@@ -23,16 +23,10 @@ from esft.engines.base import (
     Sampling,
     check_coefficients,
     generation_from_tokens,
+    resolve_device,
     torch_dtype,
 )
 from esft.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
-
-def resolve_device(device: str) -> torch.device:
-    """"auto" picks CUDA when available, else CPU."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
 
 class TransformersEngine:
     """Holds one transformers model; member evaluation = perturb → generate → restore."""

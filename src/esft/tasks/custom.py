@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from esft import usercode
+from esft.config_rules import split_list
+from esft.remote_reward import RewardServiceError, remote_reward
+from esft.reward_models import RewardModel, RewardModelError
 from esft.rewards import PROVIDED_ARGUMENTS, reward_name
 from esft.tasks.base import Task, TaskError
 from esft.tasks.loading import apply_template, check_rows, common_columns, load_splits, train_split
@@ -108,14 +111,49 @@ def prepare_task(task: Any, origin: str = "the task") -> Task:
     return dataclasses.replace(task, train_dataset=train, eval_datasets=evals, reward_funcs=funcs)
 
 
+def service_rewards(reward_model: str | None, reward_url: str | None, device: str = "auto") -> list[Any]:
+    """--reward-model models (loaded now) and --reward-url services (asked for /health now) as reward
+    functions: a bad model or an unreachable service fails here, before the policy model loads."""
+    funcs: list[Any] = [_load_reward_model(spec, device, f"--reward-model {spec}") for spec in split_list(reward_model)]
+    for group in split_list(reward_url):
+        remote = remote_reward(group.split("|"))
+        try:
+            remote.health()
+        except RewardServiceError as error:
+            raise TaskError(f"--reward-url {group}: {error} (start one with esft serve-reward --model DIR, or set "
+                            "$ESFT_REWARD_API_KEY if it asks for a key)") from None
+        funcs.append(remote)
+    seen: dict[str, int] = {}
+    for func in funcs:  # metrics are keyed by name: two models called "final" become final and final-2
+        seen[func.__name__] = seen.get(func.__name__, 0) + 1
+        if seen[func.__name__] > 1:
+            func.__name__ += f"-{seen[func.__name__]}"
+    return funcs
+
+
+def _load_reward_model(spec: str, device: str, where: str) -> RewardModel:
+    try:
+        return RewardModel(spec, device=device, where=where).load()
+    except RewardModelError as error:
+        raise TaskError(str(error)) from None
+
+
+def _reward_from_string(spec: str, device: str) -> Any:
+    """As in TRL: "module:function" is a function, anything else (a directory, a hub id) a reward model."""
+    if is_spec(spec) and not Path(spec).is_dir():
+        return load_callable(spec, "reward_funcs")
+    return _load_reward_model(spec, device, f"reward_funcs {spec!r}")
+
+
 def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, reward_weights: Any,
-                      accuracy_func: Any) -> Task:
+                      accuracy_func: Any, reward_model_device: str = "auto") -> Task:
     """The ESTrainer(reward_funcs=..., train_dataset=..., eval_dataset=...) task. Reward functions
-    may be callables or "module:function" strings."""
+    may be callables, "module:function" strings or, as in TRL, reward model directories / hub ids
+    (loaded on `reward_model_device`)."""
     if reward_funcs is None:
         raise TaskError("reward_funcs is required when train_dataset or eval_dataset is given")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
-    funcs = [load_callable(f, "reward_funcs") if isinstance(f, str) else f for f in funcs]
+    funcs = [_reward_from_string(f, reward_model_device) if isinstance(f, str) else f for f in funcs]
     if isinstance(accuracy_func, str):
         accuracy_func = load_callable(accuracy_func, "accuracy_func")
     if reward_weights is not None and len(reward_weights) != len(funcs):
@@ -127,11 +165,14 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
     return prepare_task(task, "the given datasets")
 
 
-def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: str, reward_weights: list[float] | None) -> Task:
-    """`--train-data/--eval-data` + `--reward-funcs`: no code beyond the reward functions."""
+def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: str | None, reward_weights: list[float] | None,
+                   reward_model: str | None = None, reward_url: str | None = None, reward_model_device: str = "auto") -> Task:
+    """`--train-data/--eval-data` + `--reward-funcs` (and/or `--reward-model`, `--reward-url`): no
+    code beyond the reward functions. Rewards in that order (the order of --reward-weights)."""
     if train_data is None and eval_data is None:
-        raise TaskError("--reward-funcs: give the data too, with --train-data FILE (and/or --eval-data FILE)")
-    funcs = [load_callable(spec.strip(), "--reward-funcs") for spec in reward_funcs.split(",") if spec.strip()]
+        flag = "--reward-funcs" if reward_funcs else "--reward-model" if reward_model else "--reward-url"
+        raise TaskError(f"{flag}: give the data too, with --train-data FILE (and/or --eval-data FILE)")
+    funcs = [load_callable(spec.strip(), "--reward-funcs") for spec in (reward_funcs or "").split(",") if spec.strip()]
     train, evals, metadata = [], {}, {}
     if train_data is not None:
         splits = load_splits(train_data)
@@ -146,6 +187,7 @@ def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: 
         evals = load_splits(eval_data)
         single_file = Path(eval_data).is_file()
         metadata["eval_labels"] = {split: str(eval_data) if single_file else f"{eval_data} (split {split!r})" for split in evals}
+    funcs += service_rewards(reward_model, reward_url, reward_model_device)  # after the data: bad data fails faster
     task = Task("custom", train, evals, funcs, reward_weights, metadata=metadata)
     return prepare_task(task, "--reward-funcs")
 
@@ -177,8 +219,9 @@ def task_label(task: str) -> str:
 def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
     """The task an ESConfig names: --reward-funcs data, a --task module:function factory, or a
     registered task (countdown, conciseness, math)."""
-    if args.reward_funcs:
-        return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights)
+    if args.reward_funcs or args.reward_model or args.reward_url:
+        return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights, args.reward_model,
+                              args.reward_url, args.reward_model_device)
     settings = {name: getattr(args, name) for name in FACTORY_SETTINGS}
     if is_spec(args.task):
         return task_from_factory(args.task, settings)

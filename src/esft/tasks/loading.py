@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from esft.chat import chatml, is_messages
 from esft.files import looks_like_path
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
 
@@ -158,14 +159,6 @@ def _load_cached(name: str) -> dict[str, list[dict[str, Any]]]:
 
 
 # ------------------------------------------------------------------------------ checking rows
-def _is_messages(prompt: Any) -> bool:
-    return (
-        isinstance(prompt, list)
-        and bool(prompt)
-        and all(isinstance(m, Mapping) and isinstance(m.get("role"), str) and "content" in m for m in prompt)
-    )
-
-
 def check_rows(rows: Iterable[Any], where: str) -> list[dict[str, Any]]:
     """Rows as dicts (from a list, a `datasets.Dataset`, ...), each with a usable `prompt`."""
     checked = []
@@ -174,7 +167,7 @@ def check_rows(rows: Iterable[Any], where: str) -> list[dict[str, Any]]:
             raise TaskError(f"{where} row {index}: expected a mapping of columns, got a {type(row).__name__}")
         row = dict(row)
         prompt = row.get(PROMPT_SOURCE, row.get("prompt"))
-        if not isinstance(prompt, str) and not _is_messages(prompt):
+        if not isinstance(prompt, str) and not is_messages(prompt):
             got = f"columns {sorted(row)}" if "prompt" not in row else f"a {type(prompt).__name__}: {str(prompt)[:60]!r}"
             raise TaskError(f"{where} row {index}: needs a 'prompt' column holding a string or a list of chat messages "
                             f"[{{'role': ..., 'content': ...}}], got {got}")
@@ -230,13 +223,6 @@ def check_prompt_lengths(task: Task, tokenizer: Any, max_length: int | None, max
 
 
 # ----------------------------------------------------------------------------- chat rendering
-def chatml(messages: list[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Messages in the ChatML format of Qwen models, as plain text: the rendering used when the
-    tokenizer has no chat template."""
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
-
-
 def render_prompt(prompt: str | list, tokenizer: Any) -> str:
     """The text the model sees. Chat messages go through the tokenizer's chat template with the
     generation prompt (or continue a final assistant message, as TRL does); a tokenizer without a
