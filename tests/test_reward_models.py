@@ -15,11 +15,11 @@ from test_cli import assert_user_error, esft, read_jsonl
 from tiny_model import build_tiny_reward_model
 from esft.cli import resolve_config
 from esft.config import ConfigError, ESConfig
-from esft.reward_models import RewardModel
+from esft.reward_models import RewardModel, RewardModelError
 from esft.rewards import RewardRunner
 from esft.tasks.base import PROMPT_SOURCE, TaskError
 from esft.tasks.custom import task_from_objects
-from esft.trainer import embedded_model_path
+from esft.config import embedded_model_path
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 PROMPTS = ["2 + 2 =", "Name a colour:", "x", "A much longer prompt, to make the padding matter:", "7 - 4 ="]
@@ -93,13 +93,13 @@ def test_what_is_not_a_reward_model_is_refused_by_name(kind, message, tmp_path):
         config = json.loads((tmp_path / "config.json").read_text())
         config["id2label"], config["label2id"] = {str(i): f"L{i}" for i in range(3)}, {f"L{i}": i for i in range(3)}
         (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(TaskError, match=re.escape(message)) as error:
+    with pytest.raises(RewardModelError, match=re.escape(message)) as error:
         RewardModel(path, where=f"--reward-model {path}").load()
     assert str(error.value).startswith(f"--reward-model {path}")
 
 
 def test_reward_model_and_url_flags_repeat_and_combine_with_reward_funcs(tiny_reward_model_dir):
-    config, _ = resolve_config("train", {"reward_funcs": "m:f", "reward_model": f"{tiny_reward_model_dir},org/rm",
+    config, _, _ = resolve_config("train", {"reward_funcs": "m:f", "reward_model": f"{tiny_reward_model_dir},org/rm",
                                          "reward_url": "http://127.0.0.1:1|http://127.0.0.1:2", "reward_weights": "1,2,3,4"})
     assert config.task == "custom" and config.parsed_reward_weights() == [1, 2, 3, 4]
     assert ESConfig(reward_model=["a/b", "c/d"]).reward_model == "a/b,c/d"  # a list (YAML, Python) = commas
