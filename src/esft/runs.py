@@ -34,7 +34,7 @@ from esft.metrics import METRICS_FILE
 
 LOCK_FILE = ".esft.lock"
 CONFIG_FILE = "config.yaml"
-RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, "final")
+RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, "final", "final-merged")
 """Entries that mean a directory already holds a run (besides checkpoints)."""
 _EVAL_DIR = re.compile(r"^iteration-(\d+)$")
 
@@ -205,6 +205,9 @@ def _set_aside_later(path: Path, resume: ResumePoint) -> None:
     final = path / "final"
     if final.exists() and (not (final / STATE_FILE).is_file() or _iteration_of_dir(final) != n or resume.checkpoint is None):
         later.append(final)
+    merged = path / "final-merged"  # LoRA-ES: the merged export goes with its final/ (or without one)
+    if merged.exists() and (final in later or not final.exists()):
+        later.append(merged)
     evals = path / "eval"
     if evals.is_dir():
         later += [d for d in evals.iterdir() if (m := _EVAL_DIR.match(d.name)) and (int(m.group(1)) > n or resume.checkpoint is None)]

@@ -17,6 +17,7 @@ from esft.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ESConfig, model_path
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
+from esft.engines.lora import export_merged, uses_adapter
 from esft.evaluation import EvalSettings, evaluate_task
 from esft.executors import build_executor
 from esft.files import make_temporary_dir
@@ -63,6 +64,7 @@ class ESTrainer:
         self.executor = build_executor(args, self.task, self.rewards.score,
                                        lambda: build_engine(args, model, processing_class), model)
         self.engine = self.executor.engine
+        self._model = model if isinstance(model, str) else None  # a name or directory (export_merged's base)
         render_rows(self.task, self.engine.tokenizer)  # chat prompts become the text the model sees
         check_prompt_lengths(self.task, self.engine.tokenizer, self.engine.max_length(), args.max_tokens)
         self._kl = None
@@ -181,6 +183,8 @@ class ESTrainer:
             _report("after", last)
         if args.iterations > 0:
             self._save(self.run_dir / "final")
+            if uses_adapter(self.engine, args):  # LoRA-ES: final/ is the adapter; final-merged/ the merged model
+                self.save_model(self.run_dir / "final-merged", merged=True)
         return (last or self.initial_metrics) | self._failure_summary()
 
     def _batch(self, iteration: int):
@@ -278,13 +282,18 @@ class ESTrainer:
         state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": self.engine.checksum()}
         save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
 
-    def save_model(self, path: str | Path) -> None:
-        """Write the current weights and tokenizer, loadable with from_pretrained (atomically)."""
+    def save_model(self, path: str | Path, merged: bool = False) -> None:
+        """Write the current weights and tokenizer (atomically), loadable with from_pretrained; for
+        LoRA-ES the PEFT adapter (PeftModel.from_pretrained), or with `merged` the adapter merged into
+        the base model (AutoModelForCausalLM.from_pretrained; esft.engines.lora.export_merged)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temporary_dir(path.parent, path.name)
         try:
-            self.engine.save_pretrained(tmp)
+            if merged:
+                export_merged(self.engine, tmp, model_path(self.args, self._model), self.args.dtype)
+            else:
+                self.engine.save_pretrained(tmp)
             if path.exists():
                 shutil.rmtree(path)
             tmp.rename(path)

@@ -25,7 +25,10 @@ def check_device(device: str) -> None:
 
 def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> Engine:
     """The engine --engine names, loaded from `model` (hub id, directory, 'embedded', None = --model),
-    or a transformers engine around an already loaded model, or `model` itself if it is an engine."""
+    or a transformers engine around an already loaded model, or `model` itself if it is an engine.
+    LoRA-ES (--lora-r, --lora-adapter, an adapter directory or a peft.PeftModel as the model): a
+    transformers engine over the PEFT model that perturbs only the adapter (esft.engines.lora)."""
+    from esft.engines.lora import lora_engine
     from esft.engines.transformers_engine import TransformersEngine
 
     if isinstance(model, Engine):
@@ -37,7 +40,7 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
         if tokenizer is None:
             raise ConfigError("model", "a loaded model needs its tokenizer: pass processing_class=tokenizer")
         try:
-            return TransformersEngine(model, tokenizer, rank=args.rank, **options)
+            return lora_engine(args, model, tokenizer, options) or TransformersEngine(model, tokenizer, rank=args.rank, **options)
         except NoTrainableParameters as error:
             raise ConfigError("trainable", str(error)) from None
     path = model_path(args, model)
@@ -55,7 +58,8 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
                 gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                 cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, **options,
             )
-        return TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options)
+        return (lora_engine(args, path, None, options)
+                or TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options))
     except NoTrainableParameters as error:
         raise ConfigError("trainable", str(error)) from None
     except (OSError, ValueError) as error:

@@ -136,7 +136,8 @@ class Engine(Protocol):
 
     def save_pretrained(self, path: str | Path) -> None:
         """Write the master weights (rounded to the model dtype) and the tokenizer to `path`, loadable
-        with AutoModelForCausalLM.from_pretrained; the model's own generation_config is kept."""
+        with AutoModelForCausalLM.from_pretrained; the model's own generation_config is kept. An
+        engine over a PEFT model (LoRA-ES) writes its adapter, loadable with PeftModel.from_pretrained."""
 
     def close(self) -> None:
         """Release processes and devices the engine holds (idempotent)."""

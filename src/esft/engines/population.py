@@ -167,6 +167,12 @@ def _add_bmm(output: torch.Tensor, n: int, low: torch.Tensor, right: torch.Tenso
 
 
 # ------------------------------------------------------------------ generation
+def _population_class(engine):
+    """The hooks that batch this engine's members: low-rank noise's, unless the engine names its own
+    (a LoRA engine with full-rank noise: esft.engines.adapter_population)."""
+    return getattr(engine, "population_class", LowRankPopulation)
+
+
 @torch.no_grad()
 def generate_population(
     engine, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float, mini_batch_size: int | None = None
@@ -176,7 +182,7 @@ def generate_population(
     check_population_batching(engine)
     count = len(member_seeds)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
-    with LowRankPopulation(engine, member_seeds, sigma):
+    with _population_class(engine)(engine, member_seeds, sigma):
         for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count):
             chunk = len(rows) // count
             for member, result in enumerate(results):
@@ -215,7 +221,8 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     matrices = [engine.master[name] for _, name, param in engine.trainable if perturbs(engine.noise, param.shape)]
     if not matrices:
         raise PopulationBatchingError("no trainable matrix: low-rank noise perturbs matrices only")
-    sigma = 0.3 * float(torch.stack([m.pow(2).mean().sqrt() for m in matrices]).mean())
+    rms = float(torch.stack([m.pow(2).mean().sqrt() for m in matrices]).mean())
+    sigma = 0.3 * rms if rms > 0 else 0.3  # all-zero matrices (a fresh LoRA B): a scale of its own
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab, (2, 6), generator=generator).to(engine.device)
@@ -228,7 +235,7 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
         finally:
             engine.restore()
     expected = torch.cat(sequential)
-    with LowRankPopulation(engine, seeds, sigma):
+    with _population_class(engine)(engine, seeds, sigma):
         batched = model(input_ids=ids.repeat(len(seeds), 1)).logits.float()
     effect = float((expected - base.repeat(len(seeds), 1, 1)).abs().max())
     error = float((batched - expected).abs().max())
