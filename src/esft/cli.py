@@ -28,7 +28,12 @@ class UserError(Exception):
 
 def _flag_type(annotation: str):
     base = annotation.replace("| None", "").strip()
-    return {"int": int, "float": float, "str": str}[base]
+    return {"int": int, "float": float, "str": str, "int | str": _int_or_word}[base]
+
+
+def _int_or_word(text: str) -> int | str:
+    """A number, or a word such as "auto" (the setting's rule checks which words it takes)."""
+    return int(text) if text.isdigit() else text
 
 
 class _Parser(argparse.ArgumentParser):

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.transformers_engine import Generation, generation_from_tokens
+from esft.engines.base import Generation, generation_from_tokens
 from esft.lowrank import stacked_factors
 from esft.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -96,6 +96,7 @@ class LowRankPopulation:
                 "with --trainable or evaluate members one at a time (no --population-batching)"
             )
         self._handles: list = []
+        self._member_of_row: torch.Tensor | None = None
 
     def install(self) -> None:
         for module, kind, left, right in self._plan:
@@ -114,6 +115,15 @@ class LowRankPopulation:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def set_rows(self, active: torch.Tensor | None, rows_per_member: int = 0) -> None:
+        """The rows still running in the current call (esft.engines.decoding drops finished ones):
+        `active` indices into the call's member-major rows, `rows_per_member` prompts per member.
+        None (or every row) = the full member-major layout."""
+        if active is None or len(active) == self.size * rows_per_member:
+            self._member_of_row = None
+        else:
+            self._member_of_row = torch.div(active, rows_per_member, rounding_mode="floor")
+
     def _members(self, tensor: torch.Tensor) -> int:
         if tensor.shape[0] % self.size:
             raise PopulationBatchingError(
@@ -124,9 +134,13 @@ class LowRankPopulation:
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
         def hook(module, args, output):
             x = args[0]
-            n = self._members(x)
-            low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
-            return _add_bmm(output, n, low, right)
+            members = self._member_of_row
+            if members is None:  # member-major: one batched product per member
+                n = self._members(x)
+                low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
+                return _add_bmm(output, n, low, right)
+            low = torch.bmm(x.reshape(len(members), -1, x.shape[-1]), left[members])  # (rows, positions, r)
+            return _add_bmm(output, len(members), low, right[members])
 
         return hook
 
@@ -135,9 +149,13 @@ class LowRankPopulation:
 
         def hook(module, args, output):
             ids = args[0]
-            n = self._members(ids)
-            low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
-            return _add_bmm(output, n, low, right)
+            members = self._member_of_row
+            if members is None:
+                n = self._members(ids)
+                low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
+                return _add_bmm(output, n, low, right)
+            rows = ids.reshape(len(members), -1) + offsets[members]
+            return _add_bmm(output, len(members), nn.functional.embedding(rows, table), right[members])
 
         return hook
 
@@ -176,8 +194,9 @@ def generate_population(
     check_population_batching(engine)
     count = len(member_seeds)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
-    with LowRankPopulation(engine, member_seeds, sigma):
-        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count):
+    with LowRankPopulation(engine, member_seeds, sigma) as population:
+        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count, on_rows=population.set_rows):
+            population.set_rows(None)
             chunk = len(rows) // count
             for member, result in enumerate(results):
                 part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,
