@@ -97,6 +97,7 @@ class LowRankPopulation:
             )
         self._handles: list = []
         self._member_of_row: torch.Tensor | None = None
+        self._rows_version = 0  # bumped when rows are dropped: hooks gather their rows' factors once per version
 
     def install(self) -> None:
         for module, kind, left, right in self._plan:
@@ -123,6 +124,7 @@ class LowRankPopulation:
             self._member_of_row = None
         else:
             self._member_of_row = torch.div(active, rows_per_member, rounding_mode="floor")
+        self._rows_version += 1
 
     def _members(self, tensor: torch.Tensor) -> int:
         if tensor.shape[0] % self.size:
@@ -131,7 +133,21 @@ class LowRankPopulation:
             )
         return self.size
 
+    def _per_row(self, *factors: torch.Tensor):
+        """A function giving `factors` gathered for the rows still running (member of each row),
+        recomputed only when set_rows changed them: once per dropped-rows event, not per step."""
+        cached: list = [None, None]
+
+        def gathered():
+            if cached[0] != self._rows_version:
+                cached[:] = [self._rows_version, [factor[self._member_of_row] for factor in factors]]
+            return cached[1]
+
+        return gathered
+
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
+        per_row = self._per_row(left, right)
+
         def hook(module, args, output):
             x = args[0]
             members = self._member_of_row
@@ -139,13 +155,15 @@ class LowRankPopulation:
                 n = self._members(x)
                 low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
                 return _add_bmm(output, n, low, right)
-            low = torch.bmm(x.reshape(len(members), -1, x.shape[-1]), left[members])  # (rows, positions, r)
-            return _add_bmm(output, len(members), low, right[members])
+            left_rows, right_rows = per_row()  # (rows, in, r), (rows, r, out)
+            low = torch.bmm(x.reshape(len(members), -1, x.shape[-1]), left_rows)  # (rows, positions, r)
+            return _add_bmm(output, len(members), low, right_rows)
 
         return hook
 
     def _lookup_hook(self, table: torch.Tensor, right: torch.Tensor, vocab: int):
         offsets = torch.arange(self.size, device=table.device).unsqueeze(1) * vocab
+        per_row = self._per_row(offsets, right)
 
         def hook(module, args, output):
             ids = args[0]
@@ -154,8 +172,9 @@ class LowRankPopulation:
                 n = self._members(ids)
                 low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
                 return _add_bmm(output, n, low, right)
-            rows = ids.reshape(len(members), -1) + offsets[members]
-            return _add_bmm(output, len(members), nn.functional.embedding(rows, table), right[members])
+            row_offsets, right_rows = per_row()
+            rows = ids.reshape(len(members), -1) + row_offsets
+            return _add_bmm(output, len(members), nn.functional.embedding(rows, table), right_rows)
 
         return hook
 
