@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES):
             raise
         where = f" ({error.filename})" if error.filename else ""
         print(f"esft: error: {error.strerror}{where}; free space or fix permissions, then "
