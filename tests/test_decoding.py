@@ -77,8 +77,9 @@ def test_population_batching_with_dropped_rows_equals_one_member_at_a_time(engin
 def test_auto_rows_per_call_fit_the_cpu_target_and_memory(engine):
     from esft.engines.sizing import CPU_TARGET_ROWS, auto_prompts_per_call, bytes_per_row
 
-    assert auto_prompts_per_call(engine.model, 200, 30, 90) == CPU_TARGET_ROWS // 30  # 8 prompts × 30 members
+    assert auto_prompts_per_call(engine.model, 200, 30, 90) == CPU_TARGET_ROWS // 30  # 17 prompts × 30 members
     assert auto_prompts_per_call(engine.model, 200, 1, 90) == 200  # one member: the whole batch fits
+    assert auto_prompts_per_call(engine.model, 2000, 1, 90) == CPU_TARGET_ROWS
     assert auto_prompts_per_call(engine.model, 3, 30, 90) == 3
     assert bytes_per_row(engine.model, 100) > bytes_per_row(engine.model, 50) > 0
-    assert engine.prompts_per_call(200, 30, "auto", 24) == 8
+    assert engine.prompts_per_call(200, 30, "auto", 24) == CPU_TARGET_ROWS // 30

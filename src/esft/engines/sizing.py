@@ -2,9 +2,10 @@
 prompt brings (population batching: one per member).
 
 Rows per call aim at what runs fastest and stay within memory:
-- CPU: about CPU_TARGET_ROWS rows (measured on this project's 2-core CPU: 120–480 rows per call ran
-  equally fast, 60 and 960 slower; benchmarks/RESULTS.md), and no more than a quarter of the
-  available RAM for the call's key/value cache and activations;
+- CPU: about CPU_TARGET_ROWS rows (measured on this project's 2-core CPU with esft's decoder, natural
+  completion lengths: 480–960 rows per call ran fastest, 240 3% and 120 16% slower;
+  benchmarks/RESULTS.md), and no more than a quarter of the available RAM for the call's key/value
+  cache and activations;
 - CUDA: as many rows as fit in GPU_MEMORY_SHARE of the free GPU memory (larger batches keep a GPU
   busier; the cache and activations are what grows), at most GPU_MAX_ROWS.
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import os
 
-CPU_TARGET_ROWS = 256
+CPU_TARGET_ROWS = 512
 GPU_MEMORY_SHARE = 0.5
 GPU_MAX_ROWS = 8192
 CPU_MEMORY_SHARE = 0.25
