@@ -34,6 +34,12 @@ from esft.lowrank import stacked_factors
 from esft.noise import LOW_RANK_SCHEMES, perturbs
 
 
+SMALL_INPUT_ROWS = 64
+"""Per member, inputs of at most this many rows × positions (decoding steps) are multiplied with every
+member's factors in one product (a few extra multiply-adds, far fewer calls); longer ones (prompts)
+with their own member's factors, one product per member."""
+
+
 class PopulationBatchingError(ValueError):
     """The engine or model cannot evaluate members batched (use the sequential path)."""
 
@@ -146,18 +152,25 @@ class LowRankPopulation:
         return gathered
 
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
-        per_row = self._per_row(left, right)
+        members_count, features, rank = left.shape
+        # every member's left factor side by side (in, N·r): one product serves all members' rows
+        left_all = left.permute(1, 0, 2).reshape(features, members_count * rank).contiguous()
+        per_row = self._per_row(right)
 
         def hook(module, args, output):
             x = args[0]
             members = self._member_of_row
-            if members is None:  # member-major: one batched product per member
-                n = self._members(x)
-                low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
-                return _add_bmm(output, n, low, right)
-            left_rows, right_rows = per_row()  # (rows, in, r), (rows, r, out)
-            low = torch.bmm(x.reshape(len(members), -1, x.shape[-1]), left_rows)  # (rows, positions, r)
-            return _add_bmm(output, len(members), low, right_rows)
+            if members is None:  # member-major: (N, rows·positions, in)
+                x = x.reshape(self._members(x), -1, x.shape[-1])
+                if x.shape[1] > SMALL_INPUT_ROWS:  # prompts: one product per member
+                    return _add_rows(output, members_count, torch.bmm(x, left), right)
+                low = (x @ left_all).view(members_count, x.shape[1], members_count, rank)
+                low = torch.diagonal(low, dim1=0, dim2=2).permute(2, 0, 1)  # member m's rows, m's factors: a view
+                return _add_rows(output, members_count, low, right)
+            (right_rows,) = per_row()  # (rows, r, out)
+            x = x.reshape(len(members), -1, x.shape[-1])  # (rows, positions, in)
+            low = (x @ left_all).view(len(members), x.shape[1], members_count, rank)
+            return _add_rows(output, len(members), low[torch.arange(len(members)), :, members], right_rows)
 
         return hook
 
@@ -171,10 +184,10 @@ class LowRankPopulation:
             if members is None:
                 n = self._members(ids)
                 low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
-                return _add_bmm(output, n, low, right)
+                return _add_rows(output, n, low, right)
             row_offsets, right_rows = per_row()
             rows = ids.reshape(len(members), -1) + row_offsets
-            return _add_bmm(output, len(members), nn.functional.embedding(rows, table), right_rows)
+            return _add_rows(output, len(members), nn.functional.embedding(rows, table), right_rows)
 
         return hook
 
@@ -195,12 +208,17 @@ def _embedding_output_scale(module: nn.Embedding, module_name: str) -> float:
     )
 
 
-def _add_bmm(output: torch.Tensor, n: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """output (member-major rows) += low·right, in place when output is contiguous."""
-    if output.is_contiguous():
-        output.view(n, -1, output.shape[-1]).baddbmm_(low, right)
-        return output
-    return output + torch.bmm(low, right).view(output.shape)
+def _add_rows(output: torch.Tensor, groups: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """output (groups × positions rows, group-major) += low (groups, positions, r) · right (groups, r, out),
+    in place when output is contiguous (rank 1: an outer product, no matrix call)."""
+    if not output.is_contiguous():
+        return output + torch.bmm(low, right).view(output.shape)
+    target = output.view(groups, -1, output.shape[-1])
+    if right.shape[1] == 1:
+        target.addcmul_(low, right)
+    else:
+        target.baddbmm_(low, right)
+    return output
 
 
 # ------------------------------------------------------------------ generation
