@@ -18,6 +18,7 @@ is reference / path (> 1: esft is faster).
 
     python benchmarks/vs_reference.py --model embedded --prompts 32,200 --rounds 3
     python benchmarks/vs_reference.py --model 30m --prompts 32,200 --rounds 2
+    python benchmarks/vs_reference.py --model 30m --device cuda --dtype bfloat16 --prompts 32,200  # on a GPU
 """
 
 from __future__ import annotations
@@ -44,21 +45,22 @@ class ReferenceLoop:
 
         self.model, self.tokenizer, self.sigma, self.alpha = model.eval().requires_grad_(False), tokenizer, sigma, alpha
         self.max_tokens = max_tokens
-        self.generator = torch.Generator()
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
         tokenizer.padding_side = "left"
 
     def _noise(self, seed: int, index: int, param):
         import torch
 
         self.generator.manual_seed(seed + index)
-        return torch.randn(param.shape, generator=self.generator, dtype=param.dtype)
+        return torch.randn(param.shape, generator=self.generator, dtype=param.dtype, device=self.device)
 
     def iteration(self, seeds, prompts, rows, reward) -> list[float]:
         import numpy as np
         import torch
 
         params = list(self.model.named_parameters())
-        batch = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        batch = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
         rewards = []
         with torch.no_grad():
             for seed in seeds:
@@ -122,6 +124,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paths", default="reference,default,preset")
     parser.add_argument("--preset-mini-batch", default="auto", help="prompts per batched call of the preset path")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (then the ratio is of wall seconds, synchronised)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (the model's weights)")
     args = parser.parse_args()
 
     import numpy as np
@@ -135,12 +139,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     task = make_countdown_task(seed=0, difficulty="easy")
     paths = args.paths.split(",")
-    print(f"# vs_reference: model {args.model}, N = {args.population}, max {args.max_tokens} new tokens, "
-          f"{args.threads} thread(s), {args.rounds} rounds, natural completion lengths")
+    print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
+          f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds, natural completion lengths")
     for size in (int(s) for s in args.prompts.split(",")):
         runners = {}
         for name in paths:  # each path on its own copy of the same model
             model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-vsref-")))
+            model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
             runners[name] = (ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
                              if name == "reference" else EsftPath(name, model, tokenizer, args))
         cpu: dict[str, list[float]] = {name: [] for name in paths}
@@ -157,16 +162,20 @@ def main() -> None:
                     rewards = runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
                 else:
                     rewards = runner.iteration(seeds, batch)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
                 cpu[name].append(time.process_time() - started_cpu)
                 wall[name].append(time.perf_counter() - started_wall)
                 tokens[name] = float(np.mean(rewards))
-        base = statistics.median(cpu["reference"]) if "reference" in cpu else None
+        clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
+        base = statistics.median(clock["reference"]) if "reference" in clock else None
         print(f"\n## {size} prompts per iteration ({described})")
-        print("| path | CPU s/iteration (median) | wall s/iteration (median) | reference / path (CPU) | mean reward |")
+        which = "wall" if clock is wall else "CPU"
+        print(f"| path | CPU s/iteration (median) | wall s/iteration (median) | reference / path ({which}) | mean reward |")
         print("| --- | --- | --- | --- | --- |")
         for name in paths:
             c, w = statistics.median(cpu[name]), statistics.median(wall[name])
-            ratio = f"{base / c:.2f}×" if base else "—"
+            ratio = f"{base / statistics.median(clock[name]):.2f}×" if base else "—"
             print(f"| {name} | {c:.2f} | {w:.2f} | {ratio} | {tokens[name]:.3f} |")
         sys.stdout.flush()
 
