@@ -212,7 +212,9 @@ def test_a_reward_that_forks_still_gets_exactly_its_own_replies(tmp_path):
         rows = [{"prompt": "p", "pidfile": pidfile}] * 2
         assert runner.score(rows, ["a", "bb"]).total == [1.0, 2.0]
         deadline = time.monotonic() + 10
-        while not Path(pidfile).exists() and time.monotonic() < deadline:
+        # the child opens the file before it writes its pid: wait for a whole line, not for the file
+        while not (Path(pidfile).exists() and Path(pidfile).read_text().endswith("\n")) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         child = int(Path(pidfile).read_text().split()[0])
         assert _alive(child)

@@ -34,12 +34,6 @@ from esft.lowrank import stacked_factors
 from esft.noise import LOW_RANK_SCHEMES, perturbs
 
 
-SMALL_INPUT_ROWS = 64
-"""Per member, inputs of at most this many rows × positions (decoding steps) are multiplied with every
-member's factors in one product (a few extra multiply-adds, far fewer calls); longer ones (prompts)
-with their own member's factors, one product per member."""
-
-
 class PopulationBatchingError(ValueError):
     """The engine or model cannot evaluate members batched (use the sequential path)."""
 
@@ -152,6 +146,9 @@ class LowRankPopulation:
         return gathered
 
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
+        """Decoding steps (one position per row) multiply the rows with every member's factors in one
+        product (a few extra multiply-adds, far fewer calls) and keep each row's own member's part;
+        prompts (several positions) use one product per member."""
         members_count, features, rank = left.shape
         # every member's left factor side by side (in, N·r): one product serves all members' rows
         left_all = left.permute(1, 0, 2).reshape(features, members_count * rank).contiguous()
@@ -161,8 +158,9 @@ class LowRankPopulation:
             x = args[0]
             members = self._member_of_row
             if members is None:  # member-major: (N, rows·positions, in)
+                positions = x.shape[-2] if x.dim() == 3 else 1
                 x = x.reshape(self._members(x), -1, x.shape[-1])
-                if x.shape[1] > SMALL_INPUT_ROWS:  # prompts: one product per member
+                if positions > 1:  # prompts: one product per member
                     return _add_rows(output, members_count, torch.bmm(x, left), right)
                 low = (x @ left_all).view(members_count, x.shape[1], members_count, rank)
                 low = torch.diagonal(low, dim1=0, dim2=2).permute(2, 0, 1)  # member m's rows, m's factors: a view

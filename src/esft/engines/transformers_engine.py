@@ -228,9 +228,15 @@ class TransformersEngine:
         if key not in self._encoded:
             if len(self._encoded) > 64:
                 self._encoded.clear()
-            # Pad the WHOLE batch to one length, so mini-batches see exactly the same rows.
+            # Pad the WHOLE batch to one length, so mini-batches see exactly the same rows, plus one
+            # padding column for every row: every call then has padding, so attention always takes the
+            # same masked kernel (a call without padding would take another, whose last bits differ, and
+            # a row's greedy tokens would depend on which rows share its call or remain in it).
             batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
-            self._encoded[key] = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            pad = torch.full((len(prompts), 1), self.tokenizer.pad_token_id, dtype=ids.dtype)
+            self._encoded[key] = {"input_ids": torch.cat([pad, ids], 1).to(self.device),
+                                  "attention_mask": torch.cat([torch.zeros_like(pad, dtype=mask.dtype), mask], 1).to(self.device)}
         return self._encoded[key]
 
     @torch.no_grad()
