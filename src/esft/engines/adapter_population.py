@@ -23,25 +23,24 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.population import PopulationBatchingError, _add_bmm
+from esft.engines.population import MemberRows, PopulationBatchingError, _add_rows
 from esft.noise import draw_noise
 
 
-class AdapterPopulation:
+class AdapterPopulation(MemberRows):
     """While installed (a context manager), the engine's model evaluates `member_seeds` at once: rows
     of member m get member m's full-rank noise on every adapter tensor (module docstring)."""
 
     def __init__(self, engine, member_seeds: Sequence[int], sigma: float):
+        super().__init__(len(member_seeds))
         peft = sys.modules.get("peft")
         if peft is None or not isinstance(engine.model, peft.PeftModel):
             raise PopulationBatchingError(
                 f"population batching with --noise {engine.noise} is for LoRA adapters only (each member holds its "
                 "own copy of the trainable tensors); use --noise lowrank, or LoRA-ES (--lora-r)"
             )
-        self.size = len(member_seeds)
         owners = {id(module.weight): module for module in engine.model.modules()
                   if isinstance(module, nn.Linear) and module.bias is None}
-        self._plan: list[tuple[nn.Module, torch.Tensor]] = []
         for index, name, param in engine.trainable:
             module = owners.get(id(param))
             if module is None:
@@ -52,23 +51,16 @@ class AdapterPopulation:
             noise = torch.stack([draw_noise(engine.noise, seed, index, param.shape, engine.device, engine._generator)
                                  for seed in member_seeds])  # (N, out, in)
             self._plan.append((module, (noise * sigma).transpose(1, 2).to(param.dtype).contiguous()))  # (N, in, out)
-        self._handles: list = []
 
-    def __enter__(self) -> AdapterPopulation:
-        for module, right in self._plan:
-            self._handles.append(module.register_forward_hook(self._hook(right)))
-        return self
+    def _hook_for(self, entry):
+        right = entry[1]
+        per_row = self._per_row(right)
 
-    def __exit__(self, *exc) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _hook(self, right: torch.Tensor):
         def hook(module, args, output):
             x = args[0]
-            if x.shape[0] % self.size:
-                raise PopulationBatchingError(f"a hooked module saw {x.shape[0]} rows, not a multiple of {self.size} members")
-            return _add_bmm(output, self.size, x.reshape(self.size, -1, x.shape[-1]), right)
+            if self._member_of_row is None:  # member-major: (N, rows·positions, in)
+                return _add_rows(output, self.size, x.reshape(self._members(x), -1, x.shape[-1]), right)
+            (right_rows,) = per_row()  # rows still running (finished ones dropped): each row's member's noise
+            return _add_rows(output, len(right_rows), x.reshape(len(right_rows), -1, x.shape[-1]), right_rows)
 
         return hook

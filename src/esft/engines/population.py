@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.transformers_engine import Generation, generation_from_tokens
+from esft.engines.base import Generation, generation_from_tokens
 from esft.lowrank import stacked_factors
 from esft.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -46,98 +46,60 @@ def _conv1d_type():
     return Conv1D
 
 
-class LowRankPopulation:
-    """While installed (a context manager), the engine's model evaluates `member_seeds` at once:
-    rows of member m get member m's low-rank perturbation (module docstring)."""
+class MemberRows:
+    """Forward hooks that give each member's rows its own perturbation: the row bookkeeping shared by
+    LowRankPopulation and LoRA-ES's AdapterPopulation (esft.engines.adapter_population). A subclass
+    fills `_plan` and makes each entry's hook in `_hook_for`."""
 
-    def __init__(self, engine, member_seeds: Sequence[int], sigma: float):
-        if engine.noise not in LOW_RANK_SCHEMES:
-            raise PopulationBatchingError(f"population batching needs --noise lowrank (got {engine.noise})")
-        self.engine = engine
-        self.size = len(member_seeds)
-        model = engine.model
-        dtype = next(model.parameters()).dtype
-        scale = sigma / math.sqrt(engine.rank)
-        perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable
-                     if perturbs(engine.noise, param.shape)}
-        conv1d = _conv1d_type()
-        factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._plan: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]] = []
-        used: set[int] = set()
-        for module_name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            if not isinstance(weight, torch.Tensor) or id(weight) not in perturbed:
-                continue
-            index, name, param = perturbed[id(weight)]
-            if index not in factors:
-                factors[index] = stacked_factors(member_seeds, index, param.shape, engine.rank, engine.device, engine._generator)
-            a, b = factors[index]  # (N, shape[0], r), (N, shape[1], r)
-            if isinstance(module, nn.Linear):  # W: out × in -> x·B, then ·(σ/√r)·Aᵀ
-                self._plan.append((module, "matmul", b.to(dtype), (a * scale).transpose(1, 2).to(dtype).contiguous()))
-            elif conv1d is not None and isinstance(module, conv1d):  # W: in × out -> x·A, then ·(σ/√r)·Bᵀ
-                self._plan.append((module, "matmul", a.to(dtype), (b * scale).transpose(1, 2).to(dtype).contiguous()))
-            elif isinstance(module, nn.Embedding):  # W: vocab × dim -> A[ids], then ·(σ/√r)·Bᵀ
-                if module.max_norm is not None:
-                    raise PopulationBatchingError(f"{module_name}: nn.Embedding with max_norm is not supported")
-                table = a.reshape(-1, a.shape[-1]).to(dtype)  # (N·vocab, r): member m's rows at m·vocab
-                right = (b * scale * _embedding_output_scale(module, module_name)).transpose(1, 2)
-                self._plan.append((module, "lookup", table, right.to(dtype).contiguous()))
-            else:
-                raise PopulationBatchingError(
-                    f"{name} is the weight of {module_name} ({type(module).__name__}); population batching "
-                    "handles nn.Linear, nn.Embedding and Conv1D weights: exclude it with --trainable or "
-                    "evaluate members one at a time (no --population-batching)"
-                )
-            used.add(id(weight))
-        unused = [name for key, (_, name, _) in perturbed.items() if key not in used]
-        if unused:
-            raise PopulationBatchingError(
-                f"{unused[0]} is not the weight of an nn.Linear, nn.Embedding or Conv1D module; exclude it "
-                "with --trainable or evaluate members one at a time (no --population-batching)"
-            )
-        self._handles: list = []
+    def __init__(self, size: int):
+        self.size = size
+        self._plan: list = []
 
-    def install(self) -> None:
-        for module, kind, left, right in self._plan:
-            hook = self._matmul_hook(left, right) if kind == "matmul" else self._lookup_hook(left, right, module.num_embeddings)
-            self._handles.append(module.register_forward_hook(hook))
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def __enter__(self) -> LowRankPopulation:
-        self.install()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def _members(self, tensor: torch.Tensor) -> int:
-        if tensor.shape[0] % self.size:
-            raise PopulationBatchingError(
-                f"a hooked module saw a batch of {tensor.shape[0]} rows, not a multiple of the {self.size} members"
-            )
-        return self.size
+    def _hook_for(self, entry):
+        module, kind, left, right = entry
+        return self._matmul_hook(left, right) if kind == "matmul" else self._lookup_hook(left, right, module.num_embeddings)
 
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
+        """Decoding steps (one position per row) multiply the rows with every member's factors in one
+        product (a few extra multiply-adds, far fewer calls) and keep each row's own member's part;
+        prompts (several positions) use one product per member."""
+        members_count, features, rank = left.shape
+        # every member's left factor side by side (in, N·r): one product serves all members' rows
+        left_all = left.permute(1, 0, 2).reshape(features, members_count * rank).contiguous()
+        per_row = self._per_row(right)
+
         def hook(module, args, output):
             x = args[0]
-            n = self._members(x)
-            low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
-            return _add_bmm(output, n, low, right)
+            members = self._member_of_row
+            if members is None:  # member-major: (N, rows·positions, in)
+                positions = x.shape[-2] if x.dim() == 3 else 1
+                x = x.reshape(self._members(x), -1, x.shape[-1])
+                if positions > 1:  # prompts: one product per member
+                    return _add_rows(output, members_count, torch.bmm(x, left), right)
+                low = (x @ left_all).view(members_count, x.shape[1], members_count, rank)
+                low = torch.diagonal(low, dim1=0, dim2=2).permute(2, 0, 1)  # member m's rows, m's factors: a view
+                return _add_rows(output, members_count, low, right)
+            (right_rows,) = per_row()  # (rows, r, out)
+            x = x.reshape(len(members), -1, x.shape[-1])  # (rows, positions, in)
+            low = (x @ left_all).view(len(members), x.shape[1], members_count, rank)
+            return _add_rows(output, len(members), low[torch.arange(len(members)), :, members], right_rows)
 
         return hook
 
     def _lookup_hook(self, table: torch.Tensor, right: torch.Tensor, vocab: int):
         offsets = torch.arange(self.size, device=table.device).unsqueeze(1) * vocab
+        per_row = self._per_row(offsets, right)
 
         def hook(module, args, output):
             ids = args[0]
-            n = self._members(ids)
-            low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
-            return _add_bmm(output, n, low, right)
+            members = self._member_of_row
+            if members is None:
+                n = self._members(ids)
+                low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
+                return _add_rows(output, n, low, right)
+            row_offsets, right_rows = per_row()
+            rows = ids.reshape(len(members), -1) + row_offsets
+            return _add_rows(output, len(members), nn.functional.embedding(rows, table), right_rows)
 
         return hook
 
@@ -158,12 +120,17 @@ def _embedding_output_scale(module: nn.Embedding, module_name: str) -> float:
     )
 
 
-def _add_bmm(output: torch.Tensor, n: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """output (member-major rows) += low·right, in place when output is contiguous."""
-    if output.is_contiguous():
-        output.view(n, -1, output.shape[-1]).baddbmm_(low, right)
-        return output
-    return output + torch.bmm(low, right).view(output.shape)
+def _add_rows(output: torch.Tensor, groups: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """output (groups × positions rows, group-major) += low (groups, positions, r) · right (groups, r, out),
+    in place when output is contiguous (rank 1: an outer product, no matrix call)."""
+    if not output.is_contiguous():
+        return output + torch.bmm(low, right).view(output.shape)
+    target = output.view(groups, -1, output.shape[-1])
+    if right.shape[1] == 1:
+        target.addcmul_(low, right)
+    else:
+        target.baddbmm_(low, right)
+    return output
 
 
 # ------------------------------------------------------------------ generation
@@ -182,8 +149,9 @@ def generate_population(
     check_population_batching(engine)
     count = len(member_seeds)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
-    with _population_class(engine)(engine, member_seeds, sigma):
-        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count):
+    with _population_class(engine)(engine, member_seeds, sigma) as population:
+        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count, on_rows=population.set_rows):
+            population.set_rows(None)
             chunk = len(rows) // count
             for member, result in enumerate(results):
                 part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,
