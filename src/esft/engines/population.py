@@ -49,11 +49,113 @@ def _conv1d_type():
 class MemberRows:
     """Forward hooks that give each member's rows its own perturbation: the row bookkeeping shared by
     LowRankPopulation and LoRA-ES's AdapterPopulation (esft.engines.adapter_population). A subclass
-    fills `_plan` and makes each entry's hook in `_hook_for`."""
+    fills `_plan` (entries whose first item is the hooked module) and makes each entry's hook in
+    `_hook_for`."""
 
     def __init__(self, size: int):
         self.size = size
         self._plan: list = []
+        self._handles: list = []
+        self._member_of_row: torch.Tensor | None = None
+        self._rows_version = 0  # bumped when rows are dropped: hooks gather their rows' factors once per version
+
+    def _hook_for(self, entry):
+        raise NotImplementedError
+
+    def install(self) -> None:
+        for entry in self._plan:
+            self._handles.append(entry[0].register_forward_hook(self._hook_for(entry)))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def __enter__(self):
+        self.install()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def set_rows(self, active: torch.Tensor | None, rows_per_member: int = 0) -> None:
+        """The rows still running in the current call (esft.engines.decoding drops finished ones):
+        `active` indices into the call's member-major rows, `rows_per_member` prompts per member.
+        None (or every row) = the full member-major layout."""
+        if active is None or len(active) == self.size * rows_per_member:
+            self._member_of_row = None
+        else:
+            self._member_of_row = torch.div(active, rows_per_member, rounding_mode="floor")
+        self._rows_version += 1
+
+    def _members(self, tensor: torch.Tensor) -> int:
+        if tensor.shape[0] % self.size:
+            raise PopulationBatchingError(
+                f"a hooked module saw a batch of {tensor.shape[0]} rows, not a multiple of the {self.size} members"
+            )
+        return self.size
+
+    def _per_row(self, *factors: torch.Tensor):
+        """A function giving `factors` gathered for the rows still running (member of each row),
+        recomputed only when set_rows changed them: once per dropped-rows event, not per step."""
+        cached: list = [None, None]
+
+        def gathered():
+            if cached[0] != self._rows_version:
+                cached[:] = [self._rows_version, [factor[self._member_of_row] for factor in factors]]
+            return cached[1]
+
+        return gathered
+
+
+class LowRankPopulation(MemberRows):
+    """While installed (a context manager), the engine's model evaluates `member_seeds` at once:
+    rows of member m get member m's low-rank perturbation (module docstring)."""
+
+    def __init__(self, engine, member_seeds: Sequence[int], sigma: float):
+        super().__init__(len(member_seeds))
+        if engine.noise not in LOW_RANK_SCHEMES:
+            raise PopulationBatchingError(f"population batching needs --noise lowrank (got {engine.noise})")
+        self.engine = engine
+        model = engine.model
+        dtype = next(model.parameters()).dtype
+        scale = sigma / math.sqrt(engine.rank)
+        perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable
+                     if perturbs(engine.noise, param.shape)}
+        conv1d = _conv1d_type()
+        factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        used: set[int] = set()
+        for module_name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or id(weight) not in perturbed:
+                continue
+            index, name, param = perturbed[id(weight)]
+            if index not in factors:
+                factors[index] = stacked_factors(member_seeds, index, param.shape, engine.rank, engine.device, engine._generator)
+            a, b = factors[index]  # (N, shape[0], r), (N, shape[1], r)
+            if isinstance(module, nn.Linear):  # W: out × in -> x·B, then ·(σ/√r)·Aᵀ
+                self._plan.append((module, "matmul", b.to(dtype), (a * scale).transpose(1, 2).to(dtype).contiguous()))
+            elif conv1d is not None and isinstance(module, conv1d):  # W: in × out -> x·A, then ·(σ/√r)·Bᵀ
+                self._plan.append((module, "matmul", a.to(dtype), (b * scale).transpose(1, 2).to(dtype).contiguous()))
+            elif isinstance(module, nn.Embedding):  # W: vocab × dim -> A[ids], then ·(σ/√r)·Bᵀ
+                if module.max_norm is not None:
+                    raise PopulationBatchingError(f"{module_name}: nn.Embedding with max_norm is not supported")
+                table = a.reshape(-1, a.shape[-1]).to(dtype)  # (N·vocab, r): member m's rows at m·vocab
+                right = (b * scale * _embedding_output_scale(module, module_name)).transpose(1, 2)
+                self._plan.append((module, "lookup", table, right.to(dtype).contiguous()))
+            else:
+                raise PopulationBatchingError(
+                    f"{name} is the weight of {module_name} ({type(module).__name__}); population batching "
+                    "handles nn.Linear, nn.Embedding and Conv1D weights: exclude it with --trainable or "
+                    "evaluate members one at a time (no --population-batching)"
+                )
+            used.add(id(weight))
+        unused = [name for key, (_, name, _) in perturbed.items() if key not in used]
+        if unused:
+            raise PopulationBatchingError(
+                f"{unused[0]} is not the weight of an nn.Linear, nn.Embedding or Conv1D module; exclude it "
+                "with --trainable or evaluate members one at a time (no --population-batching)"
+            )
 
     def _hook_for(self, entry):
         module, kind, left, right = entry
