@@ -77,8 +77,8 @@ def logits(model, ids=IDS) -> torch.Tensor:
 
 
 def lora_args(model: Path, **settings) -> ESConfig:
-    return ESConfig(model=str(model), device="cpu", max_tokens=6, logging="none", progress=False,
-                    **{"lora_r": 4, **settings})
+    return ESConfig(model=str(model), device="cpu", logging="none", progress=False,
+                    **{"lora_r": 4, "max_tokens": 6, **settings})
 
 
 def engine_at(checkpoint: Path, model: Path):
@@ -137,6 +137,35 @@ def test_population_batching_gives_the_sequential_completions(lively_model_dir):
         engine.restore()
     assert [g.texts for g in batched] == sequential
     assert len({tuple(texts) for texts in sequential}) > 1, "members wrote the same text: the test would be vacuous"
+
+
+def test_population_batching_follows_dropped_rows_with_correlated_noise(monkeypatch):
+    """The embedded model ends its completions at EOS at different steps, so the decoder drops finished
+    rows and the hooks must give each remaining row its own member's noise."""
+    from esft.batches import prompt_batch
+    from esft.config import embedded_model_path
+    from esft.engines import decoding
+    from esft.tasks.countdown_task import make_countdown_task
+
+    engine = build_engine(lora_args(embedded_model_path(), noise="correlated", population_batching=True, max_tokens=48))
+    engine.update([1, 2, 3], [1e-2, -1e-2, 5e-3])  # B away from 0
+    running, real = [], decoding.decode_greedy
+
+    def watched(*args, on_rows=None, **kwargs):  # records how many rows each population step still runs
+        if on_rows is None:
+            return real(*args, **kwargs)
+        return real(*args, on_rows=lambda active: (running.append(len(active)), on_rows(active)), **kwargs)
+
+    monkeypatch.setattr("esft.engines.transformers_engine.decode_greedy", watched)
+    prompts = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 8, 0).prompts
+    seeds, sigma = [11, 12, 13], 3e-3
+    batched = generate_population(engine, prompts, seeds, sigma)
+    assert len(running) > 2 and running == sorted(running, reverse=True), running  # rows were dropped
+    for seed, generation in zip(seeds, batched):
+        engine.perturb(seed, sigma)
+        assert engine.generate(prompts).token_ids == generation.token_ids, seed
+        engine.restore()
+    assert len({tuple(map(tuple, g.token_ids)) for g in batched}) == len(seeds)  # members really differ
 
 
 # ----------------------------------------------------------------------------- exports
