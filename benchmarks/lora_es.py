@@ -40,11 +40,14 @@ def seeds(options) -> list[tuple[str, list[str]]]:
 
 
 def compare(options) -> list[tuple[str, list[str]]]:
-    """The four paths side by side: full-parameter and LoRA-ES, one member at a time and batched."""
+    """Full-parameter ES (at its own σ/α, the demo's 1e-3/5e-4, and at LoRA's) and LoRA-ES, one member
+    at a time and batched, and LoRA-ES perturbing B only."""
     lora = [*LORA, "--sigma", options.sigma, "--alpha", options.alpha]
+    same = ["--sigma", options.sigma, "--alpha", options.alpha]
     return [
-        ("full ES, demo preset (lowrank r=1, batched)", []),
-        ("full ES, --noise iid (paper, sequential)", ["--noise", "iid"]),
+        ("full ES, demo preset (lowrank r=1, batched), its own σ/α", []),
+        ("full ES, --noise iid (paper, sequential), its own σ/α", ["--noise", "iid"]),
+        ("full ES, --noise iid, LoRA's σ/α", ["--noise", "iid", *same]),
         ("LoRA-ES, batched (iid)", lora),
         ("LoRA-ES, sequential (iid)", [*lora, "--no-population-batching"]),
         ("LoRA-ES, B only (--trainable lora_B), batched", [*lora, "--trainable", "lora_B"]),

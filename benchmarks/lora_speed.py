@@ -71,7 +71,7 @@ def main() -> None:
     engines = {lora: build(lora, args) for lora in (False, True)}
     for engine in engines.values():
         if not args.natural_lengths:
-            engine.greedy.min_new_tokens = args.max_tokens  # benchmark only: every completion is max_tokens long
+            engine.min_new_tokens = args.max_tokens  # benchmark only: every completion is max_tokens long
         engine.generate(batch.prompts[:1])  # warm-up
     results: dict[str, list[tuple[float, float, int]]] = {label: [] for label in PATHS}
     for round_index in range(args.rounds):
