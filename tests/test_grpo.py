@@ -252,3 +252,24 @@ def test_a_grpo_reward_that_breaks_mid_run_stops_with_a_checkpoint_to_resume(tin
     resumed, _ = esft("train", "--resume", "runs/r", cwd=tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+def test_an_es_run_stopped_by_its_token_budget_resumes_only_with_a_larger_one(tiny_model_dir, tmp_path):
+    base = ["--model", str(tiny_model_dir), *SMALL, *ES, "--iterations", "4", "--save-every", "1", "--sigma", "0.05"]
+    first, _ = esft("train", *base, "--budget-tokens", "20", "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-2000:]
+    rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    stop = rows[-1]["iteration"]
+    assert 0 < stop < 4 and rows[-1]["budget/tokens"] >= 20 > rows[-2].get("budget/tokens", 0)
+    assert f"esft: the budget of 20 tokens is spent ({rows[-1]['budget/tokens']} generated for training) at iteration {stop} of 4" in first.stderr
+    # resumed with the same budget: nothing more to train, the final evaluation again
+    again, _ = esft("train", "--resume", str(tmp_path / "r"), "--no-progress", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
+    assert [row["iteration"] for row in rows][-2:] == [stop, stop] and "eval/easy/reward" in rows[-1]
+    # with a larger one it trains on to --iterations
+    more, _ = esft("train", "--resume", str(tmp_path / "r"), "--budget-tokens", "100000", "--no-progress", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert read_jsonl(tmp_path / "r" / "metrics.jsonl")[-1]["iteration"] == 4
+    assert json.loads((tmp_path / "r" / "final" / "trainer_state.json").read_text())["iteration"] == 4
