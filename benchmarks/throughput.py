@@ -5,7 +5,6 @@ On ONE transformers engine (same model, prompts and token counts) it measures, p
   2. one ES iteration's evaluation phase (noise, perturb, generate, restore for every member);
   3. the full iteration (2 + reward scoring + fitness shaping + update);
 for each requested path:
-  before-iid       the engine and executor code before issue 5 (git --before-ref), i.i.d. noise
   seq-iid          one member at a time, i.i.d. full-rank Gaussian noise (the paper's scheme, fixed)
   seq-lowrank      one member at a time, low-rank noise (weights = master + σ·A·Bᵀ/√r)
   batched-lowrank  --population-batching: all members in one generate call, low-rank forward hooks
@@ -18,14 +17,15 @@ less disturbed by other jobs on a shared machine), then peak resident memory (RS
 KV cache. --profile ROWS adds torch.profiler tables; --reward-cost-ms simulates an expensive
 sandboxed reward (for the +overlap paths).
 
+Generation is esft's greedy decoder (esft.engines.decoding) everywhere, the limit included.
 Completion lengths are forced equal on every side (benchmark-only: min_new_tokens = max_new_tokens,
 so EOS never ends a row early): tokens = population × batch × max_tokens everywhere; with
 --natural-lengths EOS ends completions as in training. Rounds alternate the measurements, so a load
 spike from other jobs hits all of them alike; ratios are the median over rounds, and best / best.
 
-    python benchmarks/throughput.py --threads 1 --rounds 5 --batched-mini-batch-size 8 --limit-rows 32,240,480
-    python benchmarks/throughput.py --model 30m --threads 1 --rounds 5 --batch 16 --max-tokens 32 \
-        --batched-mini-batch-size 8 --limit-rows 240 --paths before-iid,seq-iid,batched-lowrank --memory ""
+    python benchmarks/throughput.py --threads 1 --rounds 3 --natural-lengths --limit-rows 240,960 --memory ""
+    python benchmarks/throughput.py --model 30m --threads 1 --rounds 3 --batch 16 --max-tokens 32 \
+        --limit-rows 240 --paths seq-iid,batched-lowrank --memory ""
 (the runs recorded in benchmarks/RESULTS.md)
 """
 
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import MB, Instrumented, RSSSampler, Timings, build_model, kv_cache_bytes, load_before, now  # noqa: E402
+from throughput_tools import MB, Instrumented, RSSSampler, Timings, build_model, kv_cache_bytes, now  # noqa: E402
 
 # --------------------------------------------------------------------- setup
 PHASES = ("noise", "perturb", "generate", "restore", "reward", "update", "other")
@@ -74,7 +74,7 @@ class Bench:
         self.model = model
         self.engine = engine = te.TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens)
         if not args.natural_lengths:
-            engine.greedy.min_new_tokens = args.max_tokens  # benchmark only: every completion is max_tokens long
+            engine.min_new_tokens = args.max_tokens  # benchmark only: every completion is max_tokens long
         task = make_countdown_task(seed=0, difficulty="easy")
         if args.reward_cost_ms:  # an expensive user reward: sandboxed, burning CPU in its worker process
             os.environ["ESFT_BENCH_REWARD_COST_MS"] = str(args.reward_cost_ms)
@@ -85,7 +85,7 @@ class Bench:
         self.rows, self.prompts = self.batch.rows, self.batch.prompts
         self.all_prompts = self.prompts * args.population  # member-major, as the batched path lays out its rows
         self.seq_size = args.seq_mini_batch_size or args.batch
-        self.batched_size = args.batched_mini_batch_size or args.batch
+        self.batched_size = args.batched_mini_batch_size or engine.prompts_per_call(args.batch, args.population, "auto")
         self.prompt_length = engine._encode(self.prompts)["input_ids"].shape[1]
         engine._encode(self.all_prompts)  # tokenize outside the timed region, as the ES paths do once per iteration
         self.tokens = args.population * args.batch * args.max_tokens
@@ -98,8 +98,7 @@ class Bench:
         self.rss_ready = sampler.rss()
         self.executor = LocalExecutor(engine, self.rewards.score, args.sigma)
         self.timings = Timings()
-        before = load_before(args.before_ref) if any(p.startswith("before") for p in args.paths.split(",")) else None
-        self.instrumented = Instrumented(engine, self.executor, self.timings, before)
+        self.instrumented = Instrumented(engine, self.executor, self.timings)
 
     def rows_per_call(self, label: str) -> int:
         if label.startswith("limit@"):
@@ -179,7 +178,7 @@ def memory_report(args, labels: list[str]) -> dict:
 
     forwarded = []
     for name in ("model", "population", "batch", "max_tokens", "seq_mini_batch_size", "batched_mini_batch_size",
-                 "rank", "sigma", "threads", "paths", "before_ref", "reward_cost_ms"):
+                 "rank", "sigma", "threads", "paths", "reward_cost_ms"):
         value = getattr(args, name)
         if value is not None:
             forwarded += [f"--{name.replace('_', '-')}", str(value)]
@@ -210,12 +209,11 @@ def main() -> None:
     parser.add_argument("--seq-mini-batch-size", type=int, default=None,
                         help="prompts per generate call of the sequential paths (default: the whole batch)")
     parser.add_argument("--batched-mini-batch-size", type=int, default=None,
-                        help="prompts per generate call of the batched path, × population rows (default: the whole batch)")
+                        help="prompts per generate call of the batched path, × population rows (default: --mini-batch-size auto)")
     parser.add_argument("--limit-rows", default=None,
                         help="comma-separated rows per generate call for the limit; the best is the limit "
                              "(default: the rows per call of the sequential and of the batched path)")
-    parser.add_argument("--paths", default="before-iid,seq-iid,seq-lowrank,batched-lowrank")
-    parser.add_argument("--before-ref", default="ddc9efc", help="git commit whose engine/executor 'before-iid' runs")
+    parser.add_argument("--paths", default="seq-iid,seq-lowrank,batched-lowrank")
     parser.add_argument("--rank", type=int, default=1)
     parser.add_argument("--reward-cost-ms", type=float, default=0.0,
                         help="simulate an expensive user reward: sandboxed, burning this many ms of CPU per member")

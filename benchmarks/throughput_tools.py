@@ -1,6 +1,5 @@
 """Measuring tools of benchmarks/throughput.py: a peak-RSS sampler, per-phase timers on two clocks,
-the benchmark's models, and the instrumentation that times each phase of the ES paths (including the
-engine and executor of an older commit, for the 'before' path)."""
+the benchmark's models, and the instrumentation that times each phase of the ES paths."""
 
 from __future__ import annotations
 
@@ -105,39 +104,18 @@ def now() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def load_before(ref: str):
-    """The engine and executor modules as of git `ref` (the code before issue 5), for the 'before-iid'
-    path: their perturb/restore/update/evaluate_population run on the same engine object."""
-    import importlib.util
-    import subprocess
-
-    modules = {}
-    for key, path in (("engine", "src/esft/engines/transformers_engine.py"), ("executor", "src/esft/executor.py")):
-        source = subprocess.run(["git", "-C", str(ROOT), "show", f"{ref}:{path}"], check=True, capture_output=True,
-                                text=True).stdout
-        spec = importlib.util.spec_from_loader(f"esft_before_{key}", loader=None)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        exec(compile(source, f"{ref}:{path}", "exec"), module.__dict__)
-        modules[key] = module
-    return modules
-
-
 class Instrumented:
     """Binds a path's implementation to the engine and executor, every phase timed (noise time is
     taken out of the phase that drew it)."""
 
-    def __init__(self, engine, executor, timings: Timings, before=None):
+    def __init__(self, engine, executor, timings: Timings):
         import esft.engines.transformers_engine as te
         import esft.lowrank as lowrank
 
-        self.engine, self.executor, self.timings, self.before = engine, executor, timings, before
-        noise_modules = [(te, "draw_noise"), (lowrank, "lowrank_factors")]
-        if before is not None:
-            noise_modules.append((before["engine"], "draw_noise"))
-        for module, name in noise_modules:
+        self.engine, self.executor, self.timings = engine, executor, timings
+        for module, name in ((te, "draw_noise"), (lowrank, "lowrank_factors")):
             setattr(module, name, self.timed("noise", getattr(module, name)))
-        engine.model.generate = self.timed("generate", engine.model.generate)
+        te.decode_greedy = self.timed("generate", te.decode_greedy)
         executor.scorer = self.timed("reward", executor.scorer)
         self.current = {name: getattr(engine, name) for name in ("perturb", "restore", "update")}
         self.current_evaluate = executor.evaluate_population
@@ -165,15 +143,5 @@ class Instrumented:
         return wrapper
 
     def bind(self, path: str) -> None:
-        import functools
-
-        engine, executor = self.engine, self.executor
-        if path.startswith("before"):
-            old_engine, old_executor = self.before["engine"].TransformersEngine, self.before["executor"].LocalExecutor
-            methods = {name: functools.partial(getattr(old_engine, name), engine) for name in self.current}
-            executor.evaluate_population = functools.partial(old_executor.evaluate_population, executor)
-        else:
-            methods = self.current
-            executor.evaluate_population = self.current_evaluate
-        for name, method in methods.items():
-            setattr(engine, name, self.timed(name, method, exclude_noise=name in ("perturb", "update")))
+        for name, method in self.current.items():
+            setattr(self.engine, name, self.timed(name, method, exclude_noise=name in ("perturb", "update")))

@@ -304,28 +304,28 @@ def test_help_documents_every_setting(command, tmp_path):
 
 
 # ------------------------------------------------------------------------- the demo preset
-PAPER = {"noise": "iid", "rank": 1, "population_batching": False, "mini_batch_size": None}
+PAPER = {"noise": "iid", "rank": 1, "population_batching": False, "mini_batch_size": "auto"}
 
 
-LOWRANK = DEMO_PRESET
+LOWRANK = PAPER | DEMO_PRESET
 
 
 @pytest.mark.parametrize(
     "command, given, expected, dropped",
     [
-        ("train", {}, DEMO_PRESET, ""),                                   # `esft train`: the demo, fast
-        ("train", {"iterations": 3, "sigma": 2e-3}, DEMO_PRESET, ""),     # ES hyperparameters keep it
-        ("train", {"model": "embedded"}, DEMO_PRESET, ""),
-        ("train", {"mini_batch_size": 8}, DEMO_PRESET, ""),               # the preset's own value: nothing changes
-        ("train", {"mini_batch_size": 4}, LOWRANK | {"mini_batch_size": 4}, ""),  # a flag overrides its own value only
+        ("train", {}, LOWRANK, ""),                                       # `esft train`: the demo, fast
+        ("train", {"iterations": 3, "sigma": 2e-3}, LOWRANK, ""),         # ES hyperparameters keep it
+        ("train", {"model": "embedded"}, LOWRANK, ""),
+        ("train", {"mini_batch_size": 8}, LOWRANK | {"mini_batch_size": 8}, ""),  # a flag overrides its own value only
         ("train", {"rank": 4}, LOWRANK | {"rank": 4}, ""),
-        ("train", {"workers": 1, "executor": "local"}, DEMO_PRESET, ""),  # defaults typed out change nothing
-        ("train", {"executor": "ray", "workers": 2}, DEMO_PRESET, ""),    # Ray actors batch their share
-        ("train", {"engine": "transformers"}, DEMO_PRESET, ""),
-        ("train", {"noise": "iid"}, PAPER | {"mini_batch_size": 8}, "--noise iid turns off the demo preset's --rank, --population-batching"),
-        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated", "mini_batch_size": 8}, "--noise correlated"),
+        ("train", {"noise": "lowrank"}, LOWRANK, ""),                  # the preset's own value: nothing changes
+        ("train", {"workers": 1, "executor": "local"}, LOWRANK, ""),  # defaults typed out change nothing
+        ("train", {"executor": "ray", "workers": 2}, LOWRANK, ""),    # Ray actors batch their share
+        ("train", {"engine": "transformers"}, LOWRANK, ""),
+        ("train", {"noise": "iid"}, PAPER, "--noise iid turns off the demo preset's --rank, --population-batching"),
+        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated"}, "--noise correlated"),
         ("train", {"population_batching": False}, LOWRANK | {"population_batching": False}, ""),
-        ("train", {"engine": "vllm"}, PAPER | {"mini_batch_size": 8}, "--engine vllm turns off the demo preset's --noise, --rank, --population-batching"),
+        ("train", {"engine": "vllm"}, PAPER, "--engine vllm turns off the demo preset's --noise, --rank, --population-batching"),
         ("train", {"model": "org/some-model"}, PAPER, ""),                 # not the demo model: the paper's defaults
         ("eval", {}, PAPER, ""),                                           # nothing to speed up
     ],
@@ -334,7 +334,8 @@ def test_demo_preset_applies_as_defaults(command, given, expected, dropped, caps
     config, preset, _ = resolve_config(command, dict(given))
     assert {name: getattr(config, name) for name in PAPER} == expected
     assert all(DEMO_PRESET[name] == value and name not in given for name, value in preset.items())  # defaults only
-    assert bool(preset) == (command == "train" and given.get("model", "embedded") == "embedded")
+    if command != "train" or given.get("model", "embedded") != "embedded":
+        assert preset == {}
     err = capsys.readouterr().err
     assert (dropped in err) if dropped else "turns off" not in err
     assert ESConfig().noise == "iid" and not ESConfig().population_batching  # the API's defaults: the paper's
@@ -344,7 +345,7 @@ def test_demo_preset_values_from_a_yaml_file_count_as_given(tmp_path):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("noise: iid\n")
     config, preset, _ = resolve_config("train", {"config": str(config_file)})
-    assert preset == {"mini_batch_size": 8} and config.noise == "iid" and not config.population_batching
+    assert preset == {} and config.noise == "iid" and not config.population_batching
 
 
 def test_an_error_caused_by_the_demo_preset_says_so(tmp_path):

@@ -212,7 +212,9 @@ def test_a_reward_that_forks_still_gets_exactly_its_own_replies(tmp_path):
         rows = [{"prompt": "p", "pidfile": pidfile}] * 2
         assert runner.score(rows, ["a", "bb"]).total == [1.0, 2.0]
         deadline = time.monotonic() + 10
-        while not Path(pidfile).exists() and time.monotonic() < deadline:
+        # the child opens the file before it writes its pid: wait for a whole line, not for the file
+        while not (Path(pidfile).exists() and Path(pidfile).read_text().endswith("\n")) \
+                and time.monotonic() < deadline:
             time.sleep(0.05)
         child = int(Path(pidfile).read_text().split()[0])
         assert _alive(child)
@@ -421,6 +423,24 @@ def test_output_dir_that_is_a_file_and_tilde_paths(tmp_path):
                           capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-1500:]
     assert (home / "esft-runs" / "r" / "metrics.jsonl").exists() and not (tmp_path / "~").exists()
+
+
+def test_a_full_disk_ends_with_one_line(lively_model_dir, tmp_path):
+    """Files may not grow past 64 KiB (RLIMIT_FSIZE, as a full disk refuses writes): the first
+    checkpoint fails; the run says so in one line and how to resume."""
+    import resource
+
+    def small_files():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    proc = subprocess.run(toy(lively_model_dir, tmp_path, "--run-name", "full", "--iterations", "1", "--save-every", "1"),
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=180, preexec_fn=small_files)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("esft: error:")]
+    assert len(errors) == 1 and proc.stderr.strip().splitlines()[-1] == errors[0]
+    assert "File too large" in errors[0] and f"--resume {tmp_path / 'full'}" in errors[0]
+    assert not list((tmp_path / "full").glob("checkpoint-*")) and not list((tmp_path / "full").glob(".*.tmp"))
 
 
 def test_eval_refuses_iterations(tmp_path):

@@ -51,6 +51,16 @@ def load_engine(path, dtype=torch.float32, rank=2, **kwargs) -> TransformersEngi
     return TransformersEngine(model, AutoTokenizer.from_pretrained(path), noise="lowrank", rank=rank, **kwargs)
 
 
+def hf_generate(engine, prompts) -> list[list[int]]:
+    """Greedy `model.generate` (transformers' own loop) through the engine, for comparison."""
+    from transformers import GenerationConfig
+
+    from esft.engines.base import generation_from_tokens
+
+    rows = [row for chunk in engine.generated_chunks(prompts, None, GenerationConfig(**engine.greedy.to_dict())) for row in chunk]
+    return generation_from_tokens(rows, engine.eos_token_ids, engine.tokenizer).token_ids
+
+
 def weights(engine) -> dict[str, torch.Tensor]:
     return {name: param.detach().clone() for _, name, param in engine.trainable}
 
@@ -231,6 +241,7 @@ def test_batched_completions_match_sequential_across_architectures(architecture,
     engine = load_engine(tmp_path, max_tokens=10, trainable=trainable)
     check_population_batching(engine)
     base = engine.generate(PROMPTS[:4])
+    assert base.token_ids == hf_generate(engine, PROMPTS[:4])  # the lean decoder is greedy generate, token for token
     batched = generate_population(engine, PROMPTS[:4], SEEDS[:3], SIGMA)
     for seed, generation in zip(SEEDS[:3], batched):
         engine.perturb(seed, SIGMA)

@@ -45,10 +45,21 @@ def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master:
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(tmp, directory)
-    except BaseException:
+    except BaseException as error:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(error, OSError) and (os_error := _os_error_in(error, directory)) is not None:
+            raise os_error from error  # e.g. safetensors' "I/O error: No space left on device (os error 28)"
         raise
     return directory
+
+
+def _os_error_in(error: BaseException, path: Path) -> OSError | None:
+    """The OSError a library reported in its own exception's message ("os error N"), if any."""
+    match = re.search(r"os error (\d+)", str(error))
+    if match is None:
+        return None
+    code = int(match.group(1))
+    return OSError(code, os.strerror(code), str(path))
 
 
 def is_checkpoint(path: Path) -> bool:

@@ -28,7 +28,12 @@ class UserError(Exception):
 
 def _flag_type(annotation: str):
     base = annotation.replace("| None", "").strip()
-    return {"int": int, "float": float, "str": str}[base]
+    return {"int": int, "float": float, "str": str, "int | str": _int_or_word}[base]
+
+
+def _int_or_word(text: str) -> int | str:
+    """A number, or a word such as "auto" (the setting's rule checks which words it takes)."""
+    return int(text) if text.isdigit() else text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except OSError as error:
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES):
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES):
             raise
         where = f" ({error.filename})" if error.filename else ""
         print(f"esft: error: {error.strerror}{where}; free space or fix permissions, then "

@@ -52,8 +52,12 @@ def check(config) -> None:
             raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {config.gpu_memory_utilization}")
+    if isinstance(config.mini_batch_size, str) and config.mini_batch_size != "auto":
+        if not config.mini_batch_size.isdigit():
+            raise ConfigError("mini_batch_size", f"must be auto or a number of prompts, got {config.mini_batch_size!r}")
+        config.mini_batch_size = int(config.mini_batch_size)
     for name in ("mini_batch_size", "save_total_limit", "max_model_len"):
-        if getattr(config, name) is not None and getattr(config, name) < 1:
+        if isinstance(getattr(config, name), int) and getattr(config, name) < 1:
             raise ConfigError(name, f"must be >= 1 (or left unset), got {getattr(config, name)}")
     for name, allowed in CHOICES.items():
         if getattr(config, name) not in allowed:
@@ -230,6 +234,8 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
             raise ConfigError(name, "must be set")
         return
     base = annotation.replace("| None", "").strip()
+    if base == "int | str":  # a number, or a word such as "auto" (checked by its own rule)
+        base = "int" if isinstance(value, int) else "str"
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": is_number(value),

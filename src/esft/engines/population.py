@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.transformers_engine import Generation, generation_from_tokens
+from esft.engines.base import Generation, generation_from_tokens
 from esft.lowrank import stacked_factors
 from esft.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -96,6 +96,8 @@ class LowRankPopulation:
                 "with --trainable or evaluate members one at a time (no --population-batching)"
             )
         self._handles: list = []
+        self._member_of_row: torch.Tensor | None = None
+        self._rows_version = 0  # bumped when rows are dropped: hooks gather their rows' factors once per version
 
     def install(self) -> None:
         for module, kind, left, right in self._plan:
@@ -114,6 +116,16 @@ class LowRankPopulation:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def set_rows(self, active: torch.Tensor | None, rows_per_member: int = 0) -> None:
+        """The rows still running in the current call (esft.engines.decoding drops finished ones):
+        `active` indices into the call's member-major rows, `rows_per_member` prompts per member.
+        None (or every row) = the full member-major layout."""
+        if active is None or len(active) == self.size * rows_per_member:
+            self._member_of_row = None
+        else:
+            self._member_of_row = torch.div(active, rows_per_member, rounding_mode="floor")
+        self._rows_version += 1
+
     def _members(self, tensor: torch.Tensor) -> int:
         if tensor.shape[0] % self.size:
             raise PopulationBatchingError(
@@ -121,23 +133,59 @@ class LowRankPopulation:
             )
         return self.size
 
+    def _per_row(self, *factors: torch.Tensor):
+        """A function giving `factors` gathered for the rows still running (member of each row),
+        recomputed only when set_rows changed them: once per dropped-rows event, not per step."""
+        cached: list = [None, None]
+
+        def gathered():
+            if cached[0] != self._rows_version:
+                cached[:] = [self._rows_version, [factor[self._member_of_row] for factor in factors]]
+            return cached[1]
+
+        return gathered
+
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
+        """Decoding steps (one position per row) multiply the rows with every member's factors in one
+        product (a few extra multiply-adds, far fewer calls) and keep each row's own member's part;
+        prompts (several positions) use one product per member."""
+        members_count, features, rank = left.shape
+        # every member's left factor side by side (in, N·r): one product serves all members' rows
+        left_all = left.permute(1, 0, 2).reshape(features, members_count * rank).contiguous()
+        per_row = self._per_row(right)
+
         def hook(module, args, output):
             x = args[0]
-            n = self._members(x)
-            low = torch.bmm(x.reshape(n, -1, x.shape[-1]), left)  # (N, rows·positions, r)
-            return _add_bmm(output, n, low, right)
+            members = self._member_of_row
+            if members is None:  # member-major: (N, rows·positions, in)
+                positions = x.shape[-2] if x.dim() == 3 else 1
+                x = x.reshape(self._members(x), -1, x.shape[-1])
+                if positions > 1:  # prompts: one product per member
+                    return _add_rows(output, members_count, torch.bmm(x, left), right)
+                low = (x @ left_all).view(members_count, x.shape[1], members_count, rank)
+                low = torch.diagonal(low, dim1=0, dim2=2).permute(2, 0, 1)  # member m's rows, m's factors: a view
+                return _add_rows(output, members_count, low, right)
+            (right_rows,) = per_row()  # (rows, r, out)
+            x = x.reshape(len(members), -1, x.shape[-1])  # (rows, positions, in)
+            low = (x @ left_all).view(len(members), x.shape[1], members_count, rank)
+            return _add_rows(output, len(members), low[torch.arange(len(members)), :, members], right_rows)
 
         return hook
 
     def _lookup_hook(self, table: torch.Tensor, right: torch.Tensor, vocab: int):
         offsets = torch.arange(self.size, device=table.device).unsqueeze(1) * vocab
+        per_row = self._per_row(offsets, right)
 
         def hook(module, args, output):
             ids = args[0]
-            n = self._members(ids)
-            low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
-            return _add_bmm(output, n, low, right)
+            members = self._member_of_row
+            if members is None:
+                n = self._members(ids)
+                low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
+                return _add_rows(output, n, low, right)
+            row_offsets, right_rows = per_row()
+            rows = ids.reshape(len(members), -1) + row_offsets
+            return _add_rows(output, len(members), nn.functional.embedding(rows, table), right_rows)
 
         return hook
 
@@ -158,12 +206,17 @@ def _embedding_output_scale(module: nn.Embedding, module_name: str) -> float:
     )
 
 
-def _add_bmm(output: torch.Tensor, n: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
-    """output (member-major rows) += low·right, in place when output is contiguous."""
-    if output.is_contiguous():
-        output.view(n, -1, output.shape[-1]).baddbmm_(low, right)
-        return output
-    return output + torch.bmm(low, right).view(output.shape)
+def _add_rows(output: torch.Tensor, groups: int, low: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
+    """output (groups × positions rows, group-major) += low (groups, positions, r) · right (groups, r, out),
+    in place when output is contiguous (rank 1: an outer product, no matrix call)."""
+    if not output.is_contiguous():
+        return output + torch.bmm(low, right).view(output.shape)
+    target = output.view(groups, -1, output.shape[-1])
+    if right.shape[1] == 1:
+        target.addcmul_(low, right)
+    else:
+        target.baddbmm_(low, right)
+    return output
 
 
 # ------------------------------------------------------------------ generation
@@ -176,8 +229,9 @@ def generate_population(
     check_population_batching(engine)
     count = len(member_seeds)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
-    with LowRankPopulation(engine, member_seeds, sigma):
-        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count):
+    with LowRankPopulation(engine, member_seeds, sigma) as population:
+        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count, on_rows=population.set_rows):
+            population.set_rows(None)
             chunk = len(rows) // count
             for member, result in enumerate(results):
                 part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from esft import lowrank
+from esft.engines.decoding import decode_greedy
 from esft.engines.base import (
     Generation,
     NoTrainableParameters,
@@ -49,6 +50,9 @@ class TransformersEngine:
         """Rank r of low-rank noise (--noise lowrank: matrices get σ·A·Bᵀ/√r, other tensors stay frozen)."""
         self.max_tokens = max_tokens
         self.mini_batch_size = mini_batch_size
+        """Prompts per generate call: an int, "auto" (esft.engines.sizing) or None (all of them)."""
+        self.min_new_tokens = 0
+        """Benchmarks only: EOS is forbidden before this many new tokens (forces equal lengths)."""
         self.device = next(model.parameters()).device
         self._generator = torch.Generator(device=self.device)
         pattern = re.compile(trainable) if trainable else None
@@ -224,9 +228,15 @@ class TransformersEngine:
         if key not in self._encoded:
             if len(self._encoded) > 64:
                 self._encoded.clear()
-            # Pad the WHOLE batch to one length, so mini-batches see exactly the same rows.
+            # Pad the WHOLE batch to one length, so mini-batches see exactly the same rows, plus one
+            # padding column for every row: every call then has padding, so attention always takes the
+            # same masked kernel (a call without padding would take another, whose last bits differ, and
+            # a row's greedy tokens would depend on which rows share its call or remain in it).
             batch = self.tokenizer(list(prompts), return_tensors="pt", padding=True, add_special_tokens=False)
-            self._encoded[key] = {k: v.to(self.device) for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            ids, mask = batch["input_ids"], batch["attention_mask"]
+            pad = torch.full((len(prompts), 1), self.tokenizer.pad_token_id, dtype=ids.dtype)
+            self._encoded[key] = {"input_ids": torch.cat([pad, ids], 1).to(self.device),
+                                  "attention_mask": torch.cat([torch.zeros_like(pad, dtype=mask.dtype), mask], 1).to(self.device)}
         return self._encoded[key]
 
     @torch.no_grad()
@@ -246,24 +256,42 @@ class TransformersEngine:
             config = GenerationConfig(**{**config.to_dict(), "num_return_sequences": sampling.n})
         if not sampling.greedy:
             torch.manual_seed(sampling.seed)
-        rows = [row for chunk in self.generated_chunks(prompts, mini_batch_size, config) for row in chunk]
+        greedy = sampling.greedy and sampling.n == 1
+        rows = [row for chunk in self.generated_chunks(prompts, mini_batch_size, None if greedy else config) for row in chunk]
         return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
 
     @torch.no_grad()
-    def generated_chunks(self, prompts: Sequence[str], mini_batch_size: int | None = None, config=None, copies: int = 1):
-        """Per generate call of `mini_batch_size` (default: the engine's) prompts, the generated token
-        rows (prompt cut off, padding kept). With `copies` > 1 each call holds that many copies of its
-        prompts, copy-major (rows [c·P, (c+1)·P) are copy c): population batching's layout."""
+    def generated_chunks(self, prompts: Sequence[str], mini_batch_size: int | None = None, config=None, copies: int = 1,
+                         on_rows=None):
+        """Per call of `mini_batch_size` (default: the engine's) prompts, the generated token rows
+        (prompt cut off). Greedy (`config` None) through esft.engines.decoding, which drops finished
+        rows as it goes and tells `on_rows(active rows)`; sampling through `model.generate`. With
+        `copies` > 1 each call holds that many copies of its prompts, copy-major (rows [c·P, (c+1)·P)
+        are copy c): population batching's layout."""
         encoded = self._encode(prompts)
-        size = mini_batch_size or self.mini_batch_size or len(prompts)
         prompt_length = encoded["input_ids"].shape[1]
+        size = self.prompts_per_call(len(prompts), copies, mini_batch_size, prompt_length)
         for start in range(0, len(prompts), size):
             ids = encoded["input_ids"][start : start + size]
             mask = encoded["attention_mask"][start : start + size]
             if copies > 1:
                 ids, mask = ids.repeat(copies, 1), mask.repeat(copies, 1)
-            output = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config or self.greedy)
-            yield output[:, prompt_length:].tolist()
+            if config is None:
+                yield decode_greedy(self.model, ids, mask, self.max_tokens, self.eos_token_ids, self.min_new_tokens,
+                                    on_rows=None if on_rows is None else lambda active, n=len(ids) // copies: on_rows(active, n))
+            else:
+                yield self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, prompt_length:].tolist()
+
+    def prompts_per_call(self, prompts: int, copies: int = 1, mini_batch_size: int | str | None = None,
+                         prompt_length: int = 0) -> int:
+        """Prompts per generate call: `mini_batch_size`, else the engine's (--mini-batch-size), else all;
+        "auto" picks it from the model and the device (esft.engines.sizing)."""
+        size = mini_batch_size or self.mini_batch_size or prompts
+        if size == "auto":
+            from esft.engines.sizing import auto_prompts_per_call
+
+            size = auto_prompts_per_call(self.model, prompts, copies, prompt_length + self.max_tokens)
+        return max(1, min(int(size), prompts))
 
     # ----------------------------------------------------------------- saving
     def save_pretrained(self, path: str | Path) -> None:

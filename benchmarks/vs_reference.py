@@ -1,0 +1,184 @@
+"""esft against the paper's plain ES loop, side by side in one run (issue 15).
+
+The reference is written here from the algorithm (../shared/reference/ALGORITHM.md), not copied: per
+member, tensor k of `named_parameters()` gets σ·ε added in place (ε drawn from a generator seeded with
+seed + k), one greedy `model.generate` over all of the iteration's prompts, the completions are
+scored, and σ·ε (regenerated from the seed) is subtracted again; after the population, the update
+regenerates every ε per tensor and adds (α/N)·Σ zᵢ·εᵢ. It runs on its own copy of the model.
+
+esft's paths run one full ES iteration as the trainer does (executor.evaluate_population, tell,
+update) on a TransformersEngine:
+  default   ESConfig's defaults (the paper's i.i.d. full-rank noise, one member at a time)
+  preset    the demo preset (low-rank noise rank 1, population batching, --mini-batch-size auto)
+Same model, prompts (Countdown, natural completion lengths: EOS ends them), population and token
+budget (max new tokens). Rounds alternate the paths (a load spike hits all alike); each round uses
+the next iteration's seeds and prompt batch for every path. Times are this process's CPU seconds
+(with --threads 1 barely disturbed by other jobs) and wall seconds, medians over rounds; the ratio
+is reference / path (> 1: esft is faster).
+
+    python benchmarks/vs_reference.py --model embedded --prompts 32,200 --rounds 3
+    python benchmarks/vs_reference.py --model 30m --prompts 32,200 --rounds 2
+    python benchmarks/vs_reference.py --model 30m --device cuda --dtype bfloat16 --prompts 32,200  # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput_tools import build_model  # noqa: E402
+
+
+class ReferenceLoop:
+    """The paper's loop, written from its description: in-place perturb, one generate, subtract."""
+
+    def __init__(self, model, tokenizer, sigma: float, alpha: float, max_tokens: int):
+        import torch
+
+        self.model, self.tokenizer, self.sigma, self.alpha = model.eval().requires_grad_(False), tokenizer, sigma, alpha
+        self.max_tokens = max_tokens
+        self.device = next(model.parameters()).device
+        self.generator = torch.Generator(device=self.device)
+        tokenizer.padding_side = "left"
+
+    def _noise(self, seed: int, index: int, param):
+        import torch
+
+        self.generator.manual_seed(seed + index)
+        return torch.randn(param.shape, generator=self.generator, dtype=param.dtype, device=self.device)
+
+    def iteration(self, seeds, prompts, rows, reward) -> list[float]:
+        import numpy as np
+        import torch
+
+        params = list(self.model.named_parameters())
+        batch = self.tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False).to(self.device)
+        rewards = []
+        with torch.no_grad():
+            for seed in seeds:
+                for index, (_, param) in enumerate(params):
+                    param.add_(self._noise(seed, index, param), alpha=self.sigma)
+                output = self.model.generate(**batch, do_sample=False, max_new_tokens=self.max_tokens,
+                                             pad_token_id=self.tokenizer.pad_token_id)
+                texts = self.tokenizer.batch_decode(output[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+                scores = reward(prompts, texts, **{k: [r[k] for r in rows] for k in ("numbers", "target")})
+                rewards.append(float(np.mean(scores)))
+                for index, (_, param) in enumerate(params):
+                    param.sub_(self._noise(seed, index, param), alpha=self.sigma)
+            values = np.asarray(rewards)
+            z = (values - values.mean()) / (values.std() + 1e-8)
+            for index, (_, param) in enumerate(params):
+                total = torch.zeros_like(param)
+                for seed, zi in zip(seeds, z):
+                    total.add_(self._noise(seed, index, param), alpha=float(zi))
+                param.add_(total, alpha=self.alpha / len(seeds))
+        return rewards
+
+
+class EsftPath:
+    """One of esft's paths: an engine, an executor, the strategy and the update, as the trainer runs them."""
+
+    def __init__(self, name: str, model, tokenizer, args):
+        from esft.engines.transformers_engine import TransformersEngine
+        from esft.executors import LocalExecutor
+        from esft.rewards import RewardRunner
+        from esft.tasks.countdown import countdown_reward
+
+        preset = name == "preset"
+        self.engine = TransformersEngine(model, tokenizer, noise="lowrank" if preset else "iid", rank=1,
+                                         max_tokens=args.max_tokens,
+                                         mini_batch_size=_mini_batch(args.preset_mini_batch) if preset else None)
+        self.rewards = RewardRunner([countdown_reward], sandbox=False)
+        self.executor = LocalExecutor(self.engine, self.rewards.score, args.sigma, population_batching=preset)
+        self.alpha = args.sigma / 2
+
+    def iteration(self, seeds, batch) -> list[float]:
+        from esft import strategy
+
+        members = self.executor.evaluate_population(seeds, batch)
+        _, coefficients = strategy.tell(strategy.ESState(0, 0), [m.reward for m in members], self.alpha)
+        self.executor.update(seeds, coefficients)
+        return [m.reward for m in members]
+
+
+def _mini_batch(value: str):
+    return value if value == "auto" else int(value)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="embedded", help="embedded, 30m or a model directory")
+    parser.add_argument("--prompts", default="32,200", help="prompts per iteration, comma-separated")
+    parser.add_argument("--population", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sigma", type=float, default=1e-3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--paths", default="reference,default,preset")
+    parser.add_argument("--preset-mini-batch", default="auto", help="prompts per batched call of the preset path")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (then the ratio is of wall seconds, synchronised)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (the model's weights)")
+    args = parser.parse_args()
+
+    import numpy as np
+    import torch
+
+    from esft import strategy
+    from esft.batches import prompt_batch
+    from esft.tasks.countdown import countdown_reward
+    from esft.tasks.countdown_task import make_countdown_task
+
+    torch.set_num_threads(args.threads)
+    task = make_countdown_task(seed=0, difficulty="easy")
+    paths = args.paths.split(",")
+    print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
+          f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds, natural completion lengths")
+    for size in (int(s) for s in args.prompts.split(",")):
+        runners = {}
+        for name in paths:  # each path on its own copy of the same model
+            model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-vsref-")))
+            model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+            runners[name] = (ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
+                             if name == "reference" else EsftPath(name, model, tokenizer, args))
+        cpu: dict[str, list[float]] = {name: [] for name in paths}
+        wall: dict[str, list[float]] = {name: [] for name in paths}
+        tokens: dict[str, float] = {}
+        for round_ in range(args.rounds):
+            state = strategy.ESState(0, round_)
+            seeds = strategy.ask(state, args.population)
+            batch = prompt_batch(task.train_dataset, 0, size, round_)
+            for name in paths:
+                runner = runners[name]
+                started_wall, started_cpu = time.perf_counter(), time.process_time()
+                if name == "reference":
+                    rewards = runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
+                else:
+                    rewards = runner.iteration(seeds, batch)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                cpu[name].append(time.process_time() - started_cpu)
+                wall[name].append(time.perf_counter() - started_wall)
+                tokens[name] = float(np.mean(rewards))
+        clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
+        base = statistics.median(clock["reference"]) if "reference" in clock else None
+        print(f"\n## {size} prompts per iteration ({described})")
+        which = "wall" if clock is wall else "CPU"
+        print(f"| path | CPU s/iteration (median) | wall s/iteration (median) | reference / path ({which}) | mean reward |")
+        print("| --- | --- | --- | --- | --- |")
+        for name in paths:
+            c, w = statistics.median(cpu[name]), statistics.median(wall[name])
+            ratio = f"{base / statistics.median(clock[name]):.2f}×" if base else "—"
+            print(f"| {name} | {c:.2f} | {w:.2f} | {ratio} | {tokens[name]:.3f} |")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""`--mini-batch-size auto`: prompts per generate call, from the model, the device and the rows each
+prompt brings (population batching: one per member).
+
+Rows per call aim at what runs fastest and stay within memory:
+- CPU: about CPU_TARGET_ROWS rows (measured on this project's 2-core CPU with esft's decoder, natural
+  completion lengths: 480–960 rows per call ran fastest, 240 3% and 120 16% slower;
+  benchmarks/RESULTS.md), and no more than a quarter of the available RAM for the call's key/value
+  cache and activations;
+- CUDA: as many rows as fit in GPU_MEMORY_SHARE of the free GPU memory (larger batches keep a GPU
+  busier; the cache and activations are what grows), at most GPU_MAX_ROWS.
+"""
+
+from __future__ import annotations
+
+import os
+
+CPU_TARGET_ROWS = 512
+GPU_MEMORY_SHARE = 0.5
+GPU_MAX_ROWS = 8192
+CPU_MEMORY_SHARE = 0.25
+
+
+def bytes_per_row(model, sequence_length: int) -> int:
+    """Key/value cache of one row of `sequence_length` positions, plus its largest activations
+    (the MLP's during the prompt's forward pass), in the model's dtype."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    element = next(model.parameters()).element_size()
+    layers = getattr(config, "num_hidden_layers", 1)
+    heads = getattr(config, "num_attention_heads", 1)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", 0)
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    intermediate = getattr(config, "intermediate_size", None) or 4 * hidden
+    cache = 2 * layers * kv_heads * head_dim * sequence_length * element
+    activations = 4 * sequence_length * max(intermediate, hidden) * element
+    return cache + activations + 4 * getattr(config, "vocab_size", 0)  # + one row of float32 logits
+
+
+def available_cpu_memory() -> int:
+    """MemAvailable from /proc/meminfo (bytes); physical memory elsewhere."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def auto_rows(model, sequence_length: int) -> int:
+    """Rows per generate call for this model on its device (module docstring)."""
+    import torch
+
+    per_row = max(1, bytes_per_row(model, sequence_length))
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(1, min(GPU_MAX_ROWS, int(GPU_MEMORY_SHARE * free) // per_row))
+    return max(1, min(CPU_TARGET_ROWS, int(CPU_MEMORY_SHARE * available_cpu_memory()) // per_row))
+
+
+def auto_prompts_per_call(model, prompts: int, copies: int, sequence_length: int) -> int:
+    """Prompts per call so that prompts × copies rows are about auto_rows (at least one prompt)."""
+    return max(1, min(prompts, auto_rows(model, sequence_length) // max(1, copies)))
