@@ -1,9 +1,11 @@
 """ES vs GRPO at the same completion budget, on the embedded model and easy Countdown (issue 12).
 
 Every configuration is an ordinary `esft train` command, run as a subprocess, one after another,
-with OMP_NUM_THREADS=1, stopped by --budget-completions (default 19,200: the ES demo's 20
-iterations x 30 members x 32 prompts) and evaluated greedily on the same 500 held-out problems
-(the seed's) before training, at every quarter of the budget and at the end:
+with OMP_NUM_THREADS=1, stopped by --budget-completions (--budget, default 3,840: 4 iterations of the ES
+demo's 30 members x 32 prompts, 480 GRPO steps of 8 completions; the whole benchmark then takes
+about 45 minutes on a shared 2-core CPU, where GRPO generates ~15 completions/s and ES 100-400) and
+evaluated greedily on the same 500 held-out problems (the seed's) before training, at every quarter
+of the budget (GRPO: every eighth) and at the end:
 
 - es-demo        `esft train` (the demo preset: low-rank noise, population batching)
 - es-iid         `esft train --noise iid` (the paper's full-rank i.i.d. noise, one member at a time)
@@ -14,10 +16,10 @@ iterations x 30 members x 32 prompts) and evaluated greedily on the same 500 hel
 
 Writes <out>.md (the tables), <out>.png (held-out accuracy vs completions and vs training seconds,
 mean ± std over seeds, one line per method) and <out>.json (every number), out = benchmarks/es_vs_grpo.
-Runs live in --runs (default /tmp/es_vs_grpo); a configuration whose run finished is not run again,
-so an interrupted benchmark continues where it stopped. --report-only redraws from the runs.
+Runs live in --runs (default /tmp/es_vs_grpo), named after the configuration, budget and seed; a
+run that finished is not run again, so an interrupted benchmark continues where it stopped. --report-only redraws from the runs.
 
-    OMP_NUM_THREADS=1 python benchmarks/es_vs_grpo.py [--budget 19200] [--seeds 0,1,2] [--lrs 1e-6,1e-5,1e-4,1e-3]
+    OMP_NUM_THREADS=1 python benchmarks/es_vs_grpo.py [--budget 3840] [--seeds 0,1,2] [--lrs 3e-7,1e-6,3e-6]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ METHODS = {"es-demo": "ES, demo preset (low-rank, batched)", "es-iid": "ES, pape
 def command(name: str, seed: int, budget: int, runs: Path, lr: float | None = None) -> list[str]:
     """The `esft train` command of one configuration."""
     common = ["--seed", str(seed), "--budget-completions", str(budget), "--save-every", "0", "--logging", "none",
-              "--no-progress", "--output-dir", str(runs), "--run-name", f"{name}-s{seed}"]
+              "--no-progress", "--output-dir", str(runs), "--run-name", run_name(name, seed, budget)]
     if name.startswith("es-"):
         iterations = -(-budget // ES_COMPLETIONS_PER_ITERATION)
         noise = ["--noise", "iid"] if name == "es-iid" else []
@@ -49,6 +51,11 @@ def command(name: str, seed: int, budget: int, runs: Path, lr: float | None = No
     steps = -(-budget // GRPO_COMPLETIONS_PER_STEP)
     return ["esft", "train", "--algorithm", "grpo", "--learning-rate", f"{lr:g}", "--iterations", str(steps),
             "--eval-every", str(max(1, steps // 8)), *common]
+
+
+def run_name(name: str, seed: int, budget: int) -> str:
+    """A configuration's run directory name: runs of another budget are never taken for it."""
+    return f"{name}-b{budget}-s{seed}"
 
 
 def run(argv: list[str], run_dir: Path) -> dict:
@@ -89,7 +96,7 @@ def measure(name: str, seed: int, budget: int, runs: Path, lr: float | None = No
     """One configuration's record and curve (GRPO runs are named after their learning rate, so the
     default's and the best's seed-0 runs are the sweep's)."""
     label = f"grpo-lr{lr:g}" if name.startswith("grpo") else name
-    run_dir = runs / f"{label}-s{seed}"
+    run_dir = runs / run_name(label, seed, budget)
     return {"method": name, "seed": seed, "lr": lr, **run(command(label, seed, budget, runs, lr), run_dir), "curve": curve(run_dir)}
 
 
@@ -160,9 +167,10 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--budget", type=int, default=20 * ES_COMPLETIONS_PER_ITERATION, help="training completions per run")
+    parser.add_argument("--budget", type=int, default=4 * ES_COMPLETIONS_PER_ITERATION,
+                        help="training completions per run, every method (--budget-completions)")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--lrs", default="1e-6,1e-5,1e-4,1e-3", help="GRPO learning rates swept on the first seed")
+    parser.add_argument("--lrs", default="3e-7,1e-6,3e-6", help="GRPO learning rates swept on the first seed")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/es_vs_grpo"))
     parser.add_argument("--out", type=Path, default=HERE / "es_vs_grpo")
     parser.add_argument("--report-only", action="store_true", help="redraw the table and plot from finished runs")
@@ -170,23 +178,28 @@ def main() -> None:
     seeds, lrs = [int(s) for s in options.seeds.split(",")], [float(x) for x in options.lrs.split(",")]
     if options.report_only:
         saved = json.loads(options.out.with_suffix(".json").read_text())
-        results, sweep, best_lr = saved["results"], saved["sweep"], saved["best_lr"]
-    else:
-        options.runs.mkdir(parents=True, exist_ok=True)
-        sweep = [measure("grpo-sweep", seeds[0], options.budget, options.runs, lr) for lr in lrs]
-        best_lr = max(sweep, key=lambda r: r["curve"][-1]["accuracy"])["lr"]
-        results = []
-        for seed in seeds:
-            results += [measure(name, seed, options.budget, options.runs) for name in ("es-demo", "es-iid")]
-            results += [measure(name, seed, options.budget, options.runs, lr)
-                        for name, lr in (("grpo-default", TRL_LEARNING_RATE), ("grpo-best", best_lr))]
-        options.out.with_suffix(".json").write_text(json.dumps({"budget": options.budget, "best_lr": best_lr,
-                                                                "results": results, "sweep": sweep}, indent=1))
-    text = tables(results, sweep, options.budget, best_lr)
-    options.out.with_suffix(".md").write_text(text)
-    plot(results, options.out.with_suffix(".png"))
-    print(text)
+        report(options.out, saved["budget"], saved["results"], saved["sweep"], saved["best_lr"], saved["command"])
+        return
+    command_line = "OMP_NUM_THREADS=1 python benchmarks/es_vs_grpo.py " + " ".join(sys.argv[1:])
+    options.runs.mkdir(parents=True, exist_ok=True)
+    sweep = [measure("grpo-sweep", seeds[0], options.budget, options.runs, lr) for lr in lrs]
+    best_lr = max(sweep, key=lambda r: r["curve"][-1]["accuracy"])["lr"]
+    results = []
+    for seed in seeds:  # the report is rewritten after every seed: an interrupted benchmark leaves one
+        results += [measure(name, seed, options.budget, options.runs) for name in ("es-demo", "es-iid")]
+        results += [measure(name, seed, options.budget, options.runs, lr)
+                    for name, lr in (("grpo-default", TRL_LEARNING_RATE), ("grpo-best", best_lr))]
+        report(options.out, options.budget, results, sweep, best_lr, command_line)
 
+
+def report(out: Path, budget: int, results: list[dict], sweep: list[dict], best_lr: float, command_line: str) -> None:
+    """<out>.json (every number), <out>.md (the tables, headed by the command) and <out>.png."""
+    out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": budget, "best_lr": best_lr,
+                                                    "results": results, "sweep": sweep}, indent=1))
+    text = f"Command: `{command_line}` (budget: {budget:,} training completions per run)\n\n" + tables(results, sweep, budget, best_lr)
+    out.with_suffix(".md").write_text(text)
+    plot(results, out.with_suffix(".png"))
+    print(text, flush=True)
 
 if __name__ == "__main__":
     main()
