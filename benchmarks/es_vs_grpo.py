@@ -2,8 +2,8 @@
 
 Every configuration is an ordinary `esft train` command, run as a subprocess, one after another,
 with OMP_NUM_THREADS=1, stopped by --budget-completions (--budget, default 3,840: 4 iterations of the ES
-demo's 30 members x 32 prompts, 480 GRPO steps of 8 completions; the whole benchmark then takes
-about 45 minutes on a shared 2-core CPU, where GRPO generates ~15 completions/s and ES 100-400) and
+demo's 30 members x 32 prompts, 480 GRPO steps of 8 completions; the whole benchmark then took 33 minutes
+on this project's shared 2-core CPU, where GRPO trains on ~20 completions/s and ES on 100-200) and
 evaluated greedily on the same 500 held-out problems (the seed's) before training, at every quarter
 of the budget (GRPO: every eighth) and at the end:
 
@@ -12,12 +12,13 @@ of the budget (GRPO: every eighth) and at the end:
 - grpo-default   `esft train --algorithm grpo`: TRL's defaults (lr 1e-6, 8 generations, 8 completions
                  per step, dapo loss, beta 0, gradient checkpointing), --iterations = budget / 8
 - grpo-lr<LR>    the same with --learning-rate LR: the sweep, seed 0 only; the LR with the best held-out
-                 accuracy at the budget is then run with every seed as grpo-best
+                 accuracy at the budget (a tie: the first in --lrs) is then run with every seed as grpo-best
 
 Writes <out>.md (the tables), <out>.png (held-out accuracy vs completions and vs training seconds,
 mean ± std over seeds, one line per method) and <out>.json (every number), out = benchmarks/es_vs_grpo.
 Runs live in --runs (default /tmp/es_vs_grpo), named after the configuration, budget and seed; a
-run that finished is not run again, so an interrupted benchmark continues where it stopped. --report-only redraws from the runs.
+run that finished is not run again, so an interrupted benchmark continues where it stopped. The
+report is rewritten after every seed; --report-only redraws it from <out>.json.
 
     OMP_NUM_THREADS=1 python benchmarks/es_vs_grpo.py [--budget 3840] [--seeds 0,1,2] [--lrs 3e-7,1e-6,3e-6]
 """
