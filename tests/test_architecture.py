@@ -31,7 +31,9 @@ FORBIDDEN = {
     "esft.remote_reward": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.rewards"),
     "esft.serve": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors"),
     "esft.tasks": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.evaluation"),
-    "esft.trainer": ("esft.cli",),
+    "esft.trainer": ("esft.cli", "esft.grpo"),
+    "esft.grpo": ("esft.cli",),  # TRL's GRPO behind ESTrainer's interface: a trainer, beside trainer.py
+    "esft.grpo_trl": ("esft.cli", "esft.trainer", "esft.grpo", "esft.tasks", "esft.rewards", "esft.evaluation"),
     "esft.config": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards"),
     "esft.config_rules": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
                           "esft.config"),
@@ -108,10 +110,11 @@ CONTRACT = [name for name, member in vars(Engine).items() if callable(member) an
 
 
 def engine_classes():
+    from esft.engines.trained_model import TrainedModelEngine
     from esft.engines.transformers_engine import TransformersEngine
     from esft.executors.ray_executor import RayEngine
 
-    classes = [TransformersEngine, RayEngine]
+    classes = [TransformersEngine, RayEngine, TrainedModelEngine]
     try:
         from esft.engines.vllm_engine import VLLMEngine
 

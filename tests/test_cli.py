@@ -234,8 +234,8 @@ BAD_INPUT = {
     "dtype": (lambda d: ["--dtype", "float8"], ["--dtype:", "float32, bfloat16, float16", "'float8'"]),
     "trainable-regex": (lambda d: ["--trainable", "("], ["--trainable:", "regular expression"]),
     "config-unknown-key": (
-        lambda d: ["--config", _write(d / "run.yaml", "sigma: 0.01\nlearning_rate: 0.1\n")],
-        ["--config", "run.yaml", "unknown setting 'learning_rate'"],
+        lambda d: ["--config", _write(d / "run.yaml", "sigma: 0.01\nstep_size: 0.1\n")],
+        ["--config", "run.yaml", "unknown setting 'step_size'"],
     ),
     "config-not-yaml": (
         lambda d: ["--config", _write(d / "run.yaml", "model: [unclosed\nsigma: 0.01\n")],

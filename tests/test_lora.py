@@ -275,6 +275,8 @@ def test_settings_that_would_be_ignored_are_refused(lively_model_dir, cli_run):
         ESConfig(lora_alpha=16)
     with pytest.raises(ConfigError, match="--lora-r: the adapter .* sets its own rank"):
         ESConfig(model=str(lively_model_dir), lora_adapter=str(cli_run / "final"), lora_r=8)
+    with pytest.raises(ConfigError, match="--algorithm: LoRA-ES .* is an ES path"):
+        ESConfig(model=str(cli_run / "final"), algorithm="grpo")
     with pytest.raises(ConfigError, match="--lora-adapter: --model .* is itself a LoRA adapter"):
         ESConfig(model=str(cli_run / "final"), lora_adapter=str(cli_run / "final"))
     tokenizer = AutoTokenizer.from_pretrained(lively_model_dir)

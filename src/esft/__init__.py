@@ -2,7 +2,7 @@
 
 from esft.config import ESConfig
 
-__all__ = ["ESConfig", "ESTrainer"]
+__all__ = ["ESConfig", "ESTrainer", "GRPOBaseline"]
 __version__ = "0.1.0"
 
 
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from esft.trainer import ESTrainer
 
         return ESTrainer
+    if name == "GRPOBaseline":  # TRL's GRPOTrainer behind ESTrainer's interface (pip install 'esft[grpo]')
+        from esft.grpo import GRPOBaseline
+
+        return GRPOBaseline
     raise AttributeError(name)

@@ -86,8 +86,8 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     """The DEMO_PRESET values `esft train` adds on the embedded model, as defaults: a setting the user
     gave overrides only its own value, and a preset value the user's choice makes impossible is
     dropped. Returns (the values added, one line per value dropped and why)."""
-    if settings.get("model", EMBEDDED_MODEL) != EMBEDDED_MODEL:
-        return {}, []
+    if settings.get("model", EMBEDDED_MODEL) != EMBEDDED_MODEL or settings.get("algorithm", "es") != "es":
+        return {}, []  # the preset is ES's
     preset = {name: value for name, value in DEMO_PRESET.items() if name not in settings}
     reasons = []
     if settings.get("engine", "transformers") != "transformers":
@@ -257,6 +257,10 @@ def resolve_config(command: str, given: dict[str, Any]):
         except ResumeError as error:
             raise UserError(f"--resume {resume}: {error}") from None
         settings |= {k: v for k, v in point.config.items() if k not in ("run_name", "output_dir", "resume")}
+        trained_with = point.config.get("algorithm", "es")
+        if given.get("algorithm", from_yaml.get("algorithm", trained_with)) != trained_with:
+            raise UserError(f"--algorithm: {resume} was trained with --algorithm {trained_with}; resume it with that "
+                            "algorithm, or start a new run")
     model = given.get("model", from_yaml.get("model"))
     if command == "eval" and model and (found := _run_settings_of(model)):
         inherited, path = found
@@ -335,7 +339,12 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             run = open_run(config, point)  # claimed before the model loads: a busy directory fails fast
-            trainer = ESTrainer(args=config, run=run)
+            if config.algorithm == "grpo":  # TRL's GRPOTrainer behind ESTrainer's interface (README "GRPO baseline")
+                from esft.grpo import GRPOBaseline
+
+                trainer = GRPOBaseline(args=config, run=run)
+            else:
+                trainer = ESTrainer(args=config, run=run)
         except (TaskError, ConfigError, ImportError, FileNotFoundError) as error:
             if run is not None:
                 run.discard_if_unused()

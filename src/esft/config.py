@@ -41,7 +41,8 @@ def model_path(args: ESConfig, model: str | None = None) -> str:
     return str(embedded_model_path()) if name == EMBEDDED_MODEL else name
 
 
-GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging and checkpoints", "scale-out")
+GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging and checkpoints", "scale-out",
+          "algorithm and budget", "GRPO (TRL)")
 """The sections of ESConfig (and of `esft train --help`), in order."""
 
 
@@ -142,7 +143,8 @@ class ESConfig:
         "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper). Default: σ/2.",
         default=None,
     )
-    iterations: int = _in("ES", "ES iterations (updates); 0 = evaluate only.", default=20)
+    iterations: int = _in("ES", "ES iterations (updates); 0 = evaluate only. Under --algorithm grpo: optimizer "
+                          "steps (TRL's max_steps).", default=20)
     batch_size: int = _in("ES", "Prompts per iteration, the same batch for every member.", default=32)
     noise: str = _in(
         "ES",
@@ -262,7 +264,8 @@ class ESConfig:
         "--temperature > 0 when K > 1.",
         default=1,
     )
-    temperature: float = _in("evaluation", "Evaluation sampling temperature; 0 = greedy (the paper's default).", default=0.0)
+    temperature: float = _in("evaluation", "Evaluation sampling temperature, both algorithms; 0 = greedy (the paper's "
+                             "default). GRPO's rollouts: --rollout-temperature.", default=0.0)
     top_p: float = _in("evaluation", "Evaluation nucleus-sampling top-p (with --temperature > 0).", default=1.0)
     base_model: str | None = _in(
         "evaluation",
@@ -309,6 +312,51 @@ class ESConfig:
         "scale-out",
         "Ray: GPUs reserved per actor (for vLLM: --tensor-parallel-size). Default 0.", default=0.0
     )
+
+    # ---- algorithm and budget (README "GRPO baseline")
+    algorithm: str = _in(
+        "algorithm and budget",
+        "es (Evolution Strategies: this package's loop) or grpo (TRL's GRPOTrainer on the same model, task, "
+        "reward sandbox, evaluation, run directory and metrics; pip install 'esft[grpo]'; settings: 'GRPO (TRL)').",
+        default="es",
+    )
+    budget_completions: int | None = _in(
+        "algorithm and budget",
+        "Stop training once this many completions were generated for training (evaluation excluded; "
+        "budget/completions in metrics.jsonl); the final evaluation and final/ still happen. Default: no limit.",
+        default=None,
+    )
+    budget_tokens: int | None = _in(
+        "algorithm and budget",
+        "Stop training once this many tokens were generated for training (evaluation excluded; budget/tokens); "
+        "the final evaluation and final/ still happen. Default: no limit.",
+        default=None,
+    )
+
+    # ---- GRPO (TRL): TRL's GRPOConfig names and defaults (README "GRPO baseline")
+    learning_rate: float = _in("GRPO (TRL)", "AdamW's initial learning rate, decaying linearly to 0 over --iterations "
+                               "(TRL's default schedule).", default=1e-6)
+    num_generations: int = _in("GRPO (TRL)", "Completions sampled per prompt: the group whose rewards are normalised "
+                               "into advantages.", default=8)
+    per_device_train_batch_size: int = _in(
+        "GRPO (TRL)", "Completions per micro-batch (prompts x --num-generations); times --gradient-accumulation-steps "
+        "it must be a multiple of --num-generations.", default=8)
+    gradient_accumulation_steps: int = _in("GRPO (TRL)", "Micro-batches per optimizer step.", default=1)
+    beta: float = _in("GRPO (TRL)", "KL coefficient against the initial model (0: no reference model).", default=0.0)
+    loss_type: str = _in("GRPO (TRL)", "grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo or vespo (TRL's loss "
+                         "formulations).", default="dapo")
+    scale_rewards: str = _in("GRPO (TRL)", "Advantage scaling: group (std within each prompt's group), batch or none.",
+                             default="group")
+    epsilon: float = _in("GRPO (TRL)", "Clipping range of the importance ratio.", default=0.2)
+    num_iterations: int = _in("GRPO (TRL)", "TRL's mu: optimizer steps on each generation batch (not --iterations, "
+                              "which counts all optimizer steps).", default=1)
+    rollout_temperature: float = _in(
+        "GRPO (TRL)", "Sampling temperature of training rollouts (TRL's temperature; --temperature stays the "
+        "evaluation temperature, greedy by default, for both algorithms).", default=1.0)
+    max_grad_norm: float = _in("GRPO (TRL)", "Gradient clipping norm.", default=1.0)
+    gradient_checkpointing: bool = _in("GRPO (TRL)", "Recompute activations in the backward pass: less memory, "
+                                       "slower (TRL's default; --no-gradient-checkpointing for small models).",
+                                       default=True)
 
     def __post_init__(self) -> None:
         if self.alpha is None:

@@ -19,6 +19,9 @@ CHOICES = {
     "engine": ("transformers", "vllm"),
     "executor": ("local", "ray"),
     "vllm_cpu_gemm": ("repack", "plain"),
+    "algorithm": ("es", "grpo"),
+    "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),  # TRL 1.16's
+    "scale_rewards": ("group", "batch", "none"),
 }
 
 
@@ -60,6 +63,7 @@ def check(config) -> None:
         if getattr(config, name) not in allowed:
             raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {getattr(config, name)!r}")
     _check_scale_out(config)
+    _check_algorithm(config)
     if config.noise == "lowrank" and config.engine != "transformers":
         raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {config.engine})")
     if config.population_batching and config.noise != "lowrank" and not config.uses_lora():
@@ -145,10 +149,58 @@ def _check_lora(config) -> None:
         for name in ("lora_alpha", "lora_target_modules"):
             if getattr(config, name) is not None:
                 raise ConfigError(name, "is a setting of --lora-r, which this run does not use; add --lora-r R or drop it")
+    if config.uses_lora() and config.algorithm == "grpo":
+        raise ConfigError("algorithm", "LoRA-ES (--lora-r, --lora-adapter, an adapter as --model) is an ES path; "
+                          "--algorithm grpo trains the full model: drop the LoRA settings or use --algorithm es")
     if config.uses_lora() and config.engine != "transformers":
         raise ConfigError("engine", f"LoRA-ES runs on --engine transformers only: vLLM keeps LoRA adapters in its own "
                           f"stacked buffers, loaded from files, so esft cannot perturb them in place (got --engine "
                           f"{config.engine}); the exported final/ adapter can be served with vLLM --enable-lora")
+
+
+ES_ONLY = ("population_size", "sigma", "alpha", "batch_size", "noise", "rank", "population_batching", "reward_shaping",
+           "mini_batch_size", "engine", "executor")
+"""Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
+GRPO_ONLY = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
+             "loss_type", "scale_rewards", "epsilon", "num_iterations", "rollout_temperature", "max_grad_norm",
+             "gradient_checkpointing")
+"""The "GRPO (TRL)" settings (TRL's names), meaningless to --algorithm es."""
+
+
+def _check_algorithm(config) -> None:
+    """ES settings need --algorithm es and GRPO settings --algorithm grpo; budgets and GRPO values in range."""
+    for name in ("budget_completions", "budget_tokens"):
+        if getattr(config, name) is not None and getattr(config, name) < 1:
+            raise ConfigError(name, f"must be >= 1 (or left unset for no limit), got {getattr(config, name)}")
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    changed = [name for name in (ES_ONLY if config.algorithm == "grpo" else GRPO_ONLY)
+               if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name])]
+    if changed and config.algorithm == "grpo":
+        hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
+        raise ConfigError(changed[0], f"is an ES setting, which --algorithm grpo does not use{hint}; drop it")
+    if changed:
+        raise ConfigError(changed[0], f"is a GRPO setting (TRL's name); add --algorithm grpo or drop it")
+    if config.algorithm != "grpo":
+        return
+    for name, low in {"num_generations": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
+                      "num_iterations": 1}.items():
+        if getattr(config, name) < low:
+            raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
+    for name in ("learning_rate", "rollout_temperature", "epsilon", "max_grad_norm"):
+        if not getattr(config, name) > 0:
+            raise ConfigError(name, f"must be > 0, got {getattr(config, name)}")
+    if not config.beta >= 0:
+        raise ConfigError("beta", f"must be >= 0, got {config.beta}")
+    batch = config.per_device_train_batch_size * config.gradient_accumulation_steps
+    if batch % config.num_generations:
+        raise ConfigError("per_device_train_batch_size", f"{config.per_device_train_batch_size} x "
+                          f"{config.gradient_accumulation_steps} accumulation steps = {batch} completions per generation "
+                          f"batch, not a multiple of --num-generations {config.num_generations} (whole prompt groups)")
+    if config.dtype == "float16":
+        raise ConfigError("dtype", "float16 is not trained by --algorithm grpo here; use float32 or bfloat16")
+    if re.fullmatch(r"cuda:[1-9]\d*", config.device):
+        raise ConfigError("device", f"{config.device}: TRL trains on the first visible GPU; use "
+                          f"CUDA_VISIBLE_DEVICES={config.device[5:]} with --device cuda")
 
 
 def _check_reward_services(config) -> None:

@@ -47,10 +47,11 @@ def file_digest(path: Path) -> str:
 
 
 def directory_digests(directory: Path, skip: tuple[str, ...] = ()) -> dict[str, str]:
-    """{relative path: file_digest} of every file under `directory` except the names in `skip`."""
+    """{relative path: file_digest} of every file under `directory` except the relative paths in `skip`
+    (a file of that name in a subdirectory, such as a GRPO checkpoint's trl/trainer_state.json, counts)."""
     directory = Path(directory)
     return {str(p.relative_to(directory)): file_digest(p) for p in sorted(directory.rglob("*"))
-            if p.is_file() and p.name not in skip}
+            if p.is_file() and str(p.relative_to(directory)) not in skip}
 
 
 DATA_SUFFIXES = (".json", ".jsonl", ".csv", ".parquet")

@@ -23,7 +23,7 @@ from esft.executors import build_executor
 from esft.files import make_temporary_dir
 from esft.metrics import MetricsLogger, check_backend
 from esft.report import report_after_training
-from esft.rewards import RewardError, failing_everywhere, mean_of, reward_runners
+from esft.rewards import RewardError, Scores, failing_everywhere, mean_of, reward_runners
 from esft.runs import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
@@ -62,7 +62,7 @@ class ESTrainer:
         self.rewards, self.accuracy = reward_runners(self.task, args)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
         self.executor = build_executor(args, self.task, self.rewards.score,
-                                       lambda: build_engine(args, model, processing_class), model)
+                                       lambda: self._build_engine(model, processing_class), model)
         self.engine = self.executor.engine
         self._model = model if isinstance(model, str) else None  # a name or directory (export_merged's base)
         render_rows(self.task, self.engine.tokenizer)  # chat prompts become the text the model sees
@@ -78,7 +78,12 @@ class ESTrainer:
         """Per reward function: failed and scored samples of this train() call, and the first failure."""
         self._budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
         self._logger: MetricsLogger | None = None
+        self._progress: Any = None
         self.report_path: Path | None = None  # report.html, written by train() (esft.report)
+
+    def _build_engine(self, model: Any, processing_class: Any):
+        """The engine (built after the task and its data are checked; esft.grpo builds another)."""
+        return build_engine(self.args, model, processing_class)
 
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         args = self.args
@@ -137,11 +142,28 @@ class ESTrainer:
             self.report_path = report_after_training(self.run_dir)
 
     def _train(self) -> dict[str, float]:
+        args = self.args
+        start = self._begin()
+        last: dict[str, float] = {}
+        while self.state.iteration < args.iterations and not budget_spent(args, self._budget):
+            started = time.perf_counter()
+            seeds = strategy.ask(self.state, args.population_size)
+            members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
+            self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
+            state, coefficients = strategy.tell(self.state, [member.reward for member in members], args.alpha, args.reward_shaping)
+            self._update(seeds, coefficients)
+            self.state = state
+            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started))
+        return self._end(last, start)
+
+    def _begin(self) -> int:
+        """Before the loop: config.yaml, the resumed weights, the metrics logger and the budget so far,
+        the evaluation before training, the progress bar. Returns the iteration the run starts at."""
         args, point = self.args, self.run.resume
         self.run.write_config(args)
         start = 0
         if point is not None and point.checkpoint is not None:
-            load_master(point.checkpoint, self.engine)
+            self._load_checkpoint(point.checkpoint)
             start = point.iteration
             for skipped in point.skipped:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
@@ -154,30 +176,42 @@ class ESTrainer:
             self._logger.log({"iteration": 0, **before})
             if args.iterations:
                 _report("before", before)
-        last: dict[str, float] = {}
-        progress = _progress(args, start)
-        while self.state.iteration < args.iterations:
-            started = time.perf_counter()
-            seeds = strategy.ask(self.state, args.population_size)
-            members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
-            self._stop_if_unscorable(members, first=self.state.iteration == start)
-            state, coefficients = strategy.tell(self.state, [member.reward for member in members], args.alpha, args.reward_shaping)
-            self._update(seeds, coefficients)
-            self.state = state
-            last = self._iteration_metrics(members, time.perf_counter() - started)
-            final = self.state.iteration == args.iterations
-            if final or (args.eval_every and self.state.iteration % args.eval_every == 0):
-                last |= self._evaluate_or_stop(self.state.iteration, "the weights are in")
-                if final:
-                    _report("after", last)
-            self._logger.log(last)
-            if args.save_every and self.state.iteration % args.save_every == 0:
-                self._save(self.run_dir / f"checkpoint-{self.state.iteration}")
-                prune_checkpoints(self.run_dir, args.save_total_limit)
-            progress.update(1)
-            progress.set_postfix(reward=f"{last['reward/mean']:.3f}", max=f"{last['reward/max']:.3f}", tok_s=f"{last['perf/tokens_per_s']:.0f}")
-        progress.close()
-        if not last and start == args.iterations > 0:  # resumed at the end: the final evaluation again
+        self._progress = _progress(args, start)
+        return start
+
+    def _load_checkpoint(self, checkpoint: Path) -> None:
+        load_master(checkpoint, self.engine)
+
+    def _end_iteration(self, row: dict[str, float]) -> tuple[dict[str, float], bool]:
+        """After an update (self.state is the new iteration): the evaluation when due, the row logged,
+        a checkpoint when due. Returns the row and whether the run ends here (--iterations reached,
+        or a budget spent: said in one line)."""
+        args, iteration = self.args, self.state.iteration
+        stop = budget_spent(args, self._budget)
+        final = iteration >= args.iterations or stop is not None
+        if stop and iteration < args.iterations:
+            print(f"esft: {stop} at iteration {iteration} of {args.iterations}: stopping (the final evaluation and "
+                  "final/ follow)", file=sys.stderr)
+        if final or (args.eval_every and iteration % args.eval_every == 0):
+            row |= self._evaluate_or_stop(iteration, "the weights are in")
+            if final:
+                _report("after", row)
+        self._logger.log(row)
+        if args.save_every and iteration % args.save_every == 0:
+            self._save(self.run_dir / f"checkpoint-{iteration}")
+            prune_checkpoints(self.run_dir, args.save_total_limit)
+        self._progress.update(1)
+        if "reward/mean" in row:
+            self._progress.set_postfix(reward=f"{row['reward/mean']:.3f}", max=f"{row['reward/max']:.3f}",
+                                       tok_s=f"{row['perf/tokens_per_s']:.0f}")
+        return row, final
+
+    def _end(self, last: dict[str, float], start: int) -> dict[str, float]:
+        """After the loop: the final evaluation of a run resumed at its end, final/, the failure counts."""
+        args = self.args
+        self._progress.close()
+        if not last and start > 0 and (start == args.iterations or budget_spent(args, self._budget)):
+            # resumed at the end (of the iterations or of the budget): the final evaluation again
             last = {"iteration": start, **self._evaluate_or_stop(start, "the weights are in")}
             self._logger.log(last)
             _report("after", last)
@@ -190,17 +224,18 @@ class ESTrainer:
     def _batch(self, iteration: int):
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
-    def _stop_if_unscorable(self, members, first: bool) -> None:
+    def _stop_if_unscorable(self, batches: Sequence[Scores], first: bool) -> None:
         """RewardError when a reward function failed on every sample of the first iteration, or every
-        function on every sample of a later one (no update is applied; a checkpoint of the weights
-        before this iteration is written, unless the run is at its very start)."""
+        function on every sample of a later one (`batches`: the iteration's scores; no update is
+        applied; a checkpoint of the weights before this iteration is written, unless the run is at
+        its very start)."""
         for name in self.rewards.names:
             total = self.failure_totals.setdefault(name, {"failed": 0, "samples": 0, "first": None})
-            total["samples"] += sum(len(m.scores.total) for m in members)
-            total["failed"] += sum(m.scores.failed.get(name, 0) for m in members)
-            found = next((m.scores.first_failure[name] for m in members if name in m.scores.first_failure), None)
+            total["samples"] += sum(len(scores.total) for scores in batches)
+            total["failed"] += sum(scores.failed.get(name, 0) for scores in batches)
+            found = next((scores.first_failure[name] for scores in batches if name in scores.first_failure), None)
             total["first"] = total["first"] or found
-        failing = failing_everywhere([member.scores for member in members])
+        failing = failing_everywhere(batches)
         if failing and (first or len(failing) == len(self.rewards.names)):
             name, failure = next(iter(failing.items()))
             raise RewardError(name, failure, f"iteration {self.state.iteration + 1}", self._stop_checkpoint())
@@ -251,30 +286,8 @@ class ESTrainer:
             self.run.close()
 
     def _iteration_metrics(self, members, elapsed: float) -> dict[str, float]:
-        rewards = np.array([m.reward for m in members])
-        tokens = sum(m.num_tokens for m in members)
-        completions = sum(len(m.scores.total) for m in members)
-        self._budget = {"completions": self._budget["completions"] + completions,
-                        "tokens": self._budget["tokens"] + tokens, "seconds": self._budget["seconds"] + elapsed}
-        row = {
-            "iteration": self.state.iteration,
-            "reward/mean": float(rewards.mean()),
-            "reward/std": float(rewards.std()),
-            "reward/min": float(rewards.min()),
-            "reward/max": float(rewards.max()),
-            "completions/mean_length": tokens / completions,
-            "perf/iteration_s": elapsed,
-            "perf/tokens_per_s": tokens / elapsed,
-            "reward/failures": sum(m.scores.failures for m in members),
-            "reward/errors": sum(m.scores.errors for m in members),
-            "reward/timeouts": sum(m.scores.timeouts for m in members),
-            **{f"budget/{key}": value for key, value in self._budget.items()},
-        }
-        for name in self.rewards.names:
-            values = [mean_of(m.scores.per_function[name]) for m in members]
-            present = [v for v in values if v is not None]
-            row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
-            row[f"rewards/{name}/failures"] = sum(m.scores.failed.get(name, 0) for m in members)
+        row, self._budget = iteration_row(self.state.iteration, [m.reward for m in members], [m.scores for m in members],
+                                          sum(m.num_tokens for m in members), elapsed, self._budget)
         return row
 
     # ----------------------------------------------------------------- saving
@@ -302,6 +315,46 @@ class ESTrainer:
             raise
 
 
+def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Scores], tokens: int, elapsed: float,
+                  budget: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """One iteration's metrics.jsonl row and the budget spent after it. `rewards`: what the update
+    used (ES: one per member; GRPO: one per completion); `batches`: the iteration's Scores (ES: one
+    per member; GRPO: the generation batch); `tokens`: generated for training."""
+    values = np.array(rewards, dtype=float)
+    completions = sum(len(scores.total) for scores in batches)
+    budget = {"completions": budget["completions"] + completions, "tokens": budget["tokens"] + tokens,
+              "seconds": budget["seconds"] + elapsed}
+    row = {
+        "iteration": iteration,
+        "reward/mean": float(values.mean()),
+        "reward/std": float(values.std()),
+        "reward/min": float(values.min()),
+        "reward/max": float(values.max()),
+        "completions/mean_length": tokens / completions,
+        "perf/iteration_s": elapsed,
+        "perf/tokens_per_s": tokens / elapsed,
+        "reward/failures": sum(scores.failures for scores in batches),
+        "reward/errors": sum(scores.errors for scores in batches),
+        "reward/timeouts": sum(scores.timeouts for scores in batches),
+        **{f"budget/{key}": value for key, value in budget.items()},
+    }
+    for name in batches[0].per_function:
+        present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
+        row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
+        row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
+    return row, budget
+
+
+def budget_spent(args: ESConfig, budget: dict[str, float]) -> str | None:
+    """Why training stops early: --budget-completions or --budget-tokens reached by `budget`
+    (metrics.jsonl's budget/*), said in words; None while neither is."""
+    for kind in ("completions", "tokens"):
+        limit = getattr(args, f"budget_{kind}")
+        if limit is not None and budget[kind] >= limit:
+            return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
+    return None
+
+
 def _cpu_copy(model: Any) -> Any:
     import copy
 
@@ -319,5 +372,5 @@ def _report(when: str, metrics: dict[str, float]) -> None:
 def _progress(args: ESConfig, start: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=args.iterations, initial=start, desc="ES", unit="it", file=sys.stderr,
+    return tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
                 disable=not args.progress or args.iterations == 0)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 from esft.config import ConfigError, ESConfig, model_path
@@ -45,7 +46,7 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
             raise ConfigError("trainable", str(error)) from None
     path = model_path(args, model)
     check_device(args.device)
-    try:
+    with loading_errors(args, model):
         if args.engine == "vllm":
             try:
                 from esft.engines.vllm_engine import VLLMEngine
@@ -60,6 +61,14 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
             )
         return (lora_engine(args, path, None, options)
                 or TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options))
+
+
+@contextmanager
+def loading_errors(args: ESConfig, model: Any = None):
+    """Loading a model: a --trainable that matches nothing and a model that does not load become
+    ConfigErrors naming the flag (exit 2 in the CLI)."""
+    try:
+        yield
     except NoTrainableParameters as error:
         raise ConfigError("trainable", str(error)) from None
     except (OSError, ValueError) as error:
