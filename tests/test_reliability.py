@@ -181,7 +181,9 @@ def test_resuming_an_older_checkpoint_sets_the_later_lineage_aside(finished_run,
 
 
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(lively_model_dir, tmp_path):
-    proc = subprocess.Popen(toy(lively_model_dir, tmp_path, "--run-name", "killed", "--iterations", "50", "--save-every", "0"),
+    # far more iterations than it can run before the signal: a toy iteration takes milliseconds, and
+    # with 50 the run sometimes ended (exit 0) before SIGINT reached it
+    proc = subprocess.Popen(toy(lively_model_dir, tmp_path, "--run-name", "killed", "--iterations", "100000", "--save-every", "0"),
                             cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics_file = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 120
