@@ -123,8 +123,9 @@ def test_es_moves_only_the_adapter_and_restores_bit_exactly(lively_model_dir, dt
     assert engine.master_state().keys() == set(names)
 
 
-def test_population_batching_gives_the_sequential_completions(lively_model_dir):
-    engine = build_engine(lora_args(lively_model_dir, noise="iid", population_batching=True))
+@pytest.mark.parametrize("noise", ["iid", "lowrank"])  # adapter hooks; low-rank hooks on lora_A/lora_B
+def test_population_batching_gives_the_sequential_completions(lively_model_dir, noise):
+    engine = build_engine(lora_args(lively_model_dir, noise=noise, population_batching=True))
     engine.update([1, 2, 3], [0.3, -0.2, 0.1])  # B away from 0, so perturbations of A count too
     check_population_batching(engine)  # the once-per-engine logits check passes
     prompts = [f"Q{i}: {i} + {i} =" for i in range(3)]
