@@ -180,11 +180,20 @@ def test_resuming_an_older_checkpoint_sets_the_later_lineage_aside(finished_run,
     assert [row["iteration"] for row in metrics(run_dir)] == [0, 1, 2, 3, 4]
 
 
+def _interruptible() -> None:
+    """In the child before exec: SIGINT delivered and at its default, as in a terminal. A child inherits
+    an ignored or blocked SIGINT from pytest's process (in the whole suite it arrived ignored: the run
+    carried on past Ctrl-C), and Python then never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def test_a_run_killed_before_its_first_checkpoint_resumes_from_the_start(lively_model_dir, tmp_path):
     # far more iterations than it can run before the signal: a toy iteration takes milliseconds, and
     # with 50 the run sometimes ended (exit 0) before SIGINT reached it
     proc = subprocess.Popen(toy(lively_model_dir, tmp_path, "--run-name", "killed", "--iterations", "100000", "--save-every", "0"),
-                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_interruptible)
     metrics_file = tmp_path / "killed" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and len(metrics_file.read_text().splitlines() if metrics_file.exists() else []) < 2:
