@@ -7,9 +7,11 @@ scored, and σ·ε (regenerated from the seed) is subtracted again; after the po
 regenerates every ε per tensor and adds (α/N)·Σ zᵢ·εᵢ. It runs on its own copy of the model.
 
 esft's paths run one full ES iteration as the trainer does (executor.evaluate_population, tell,
-update) on a TransformersEngine:
-  default   ESConfig's defaults (the paper's i.i.d. full-rank noise, one member at a time)
-  preset    the demo preset (low-rank noise rank 1, population batching, --mini-batch-size auto)
+update) on a TransformersEngine, all with --mini-batch-size auto:
+  sequential  the paper's i.i.d. full-rank noise, one member at a time (--no-population-batching)
+  default     ESConfig's defaults: i.i.d. full-rank noise, population batching auto (on for this
+              model: each member's own weights, esft.engines.fullrank_population)
+  preset      the demo preset (low-rank noise rank 1, population batching)
 Same model, prompts (Countdown, natural completion lengths: EOS ends them), population and token
 budget (max new tokens). Rounds alternate the paths (a load spike hits all alike); each round uses
 the next iteration's seeds and prompt batch for every path. Times are this process's CPU seconds
@@ -87,17 +89,20 @@ class EsftPath:
     """One of esft's paths: an engine, an executor, the strategy and the update, as the trainer runs them."""
 
     def __init__(self, name: str, model, tokenizer, args):
+        from esft.config import ESConfig
+        from esft.engines.population import population_batching_problem
         from esft.engines.transformers_engine import TransformersEngine
-        from esft.executors import LocalExecutor
+        from esft.executors import LocalExecutor, resolve_population_batching
         from esft.rewards import RewardRunner
         from esft.tasks.countdown import countdown_reward
 
         preset = name == "preset"
         self.engine = TransformersEngine(model, tokenizer, noise="lowrank" if preset else "iid", rank=1,
-                                         max_tokens=args.max_tokens,
-                                         mini_batch_size=_mini_batch(args.preset_mini_batch) if preset else None)
+                                         max_tokens=args.max_tokens, mini_batch_size=_mini_batch(args.mini_batch))
         self.rewards = RewardRunner([countdown_reward], sandbox=False)
-        self.executor = LocalExecutor(self.engine, self.rewards.score, args.sigma, population_batching=preset)
+        settings = ESConfig(noise=self.engine.noise, population_batching=False if name == "sequential" else "auto")
+        batched = resolve_population_batching(settings, lambda: population_batching_problem(self.engine))
+        self.executor = LocalExecutor(self.engine, self.rewards.score, args.sigma, population_batching=batched)
         self.alpha = args.sigma / 2
 
     def iteration(self, seeds, batch) -> list[float]:
@@ -122,8 +127,8 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--paths", default="reference,default,preset")
-    parser.add_argument("--preset-mini-batch", default="auto", help="prompts per batched call of the preset path")
+    parser.add_argument("--paths", default="reference,sequential,default,preset")
+    parser.add_argument("--mini-batch", default="auto", help="prompts per generate call of esft's paths (auto or a number)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (then the ratio is of wall seconds, synchronised)")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (the model's weights)")
     args = parser.parse_args()

@@ -304,7 +304,7 @@ def test_help_documents_every_setting(command, tmp_path):
 
 
 # ------------------------------------------------------------------------- the demo preset
-PAPER = {"noise": "iid", "rank": 1, "population_batching": False, "mini_batch_size": "auto"}
+PAPER = {"noise": "iid", "rank": 1, "population_batching": "auto", "mini_batch_size": "auto"}
 
 
 LOWRANK = PAPER | DEMO_PRESET
@@ -322,8 +322,8 @@ LOWRANK = PAPER | DEMO_PRESET
         ("train", {"workers": 1, "executor": "local"}, LOWRANK, ""),  # defaults typed out change nothing
         ("train", {"executor": "ray", "workers": 2}, LOWRANK, ""),    # Ray actors batch their share
         ("train", {"engine": "transformers"}, LOWRANK, ""),
-        ("train", {"noise": "iid"}, PAPER, "--noise iid turns off the demo preset's --rank, --population-batching"),
-        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated"}, "--noise correlated"),
+        ("train", {"noise": "iid"}, PAPER | {"population_batching": True}, ""),  # full-rank members batch too
+        ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated", "population_batching": True}, ""),
         ("train", {"population_batching": False}, LOWRANK | {"population_batching": False}, ""),
         ("train", {"engine": "vllm"}, PAPER, "--engine vllm turns off the demo preset's --noise, --rank, --population-batching"),
         ("train", {"model": "org/some-model"}, PAPER, ""),                 # not the demo model: the paper's defaults
@@ -338,14 +338,14 @@ def test_demo_preset_applies_as_defaults(command, given, expected, dropped, caps
         assert preset == {}
     err = capsys.readouterr().err
     assert (dropped in err) if dropped else "turns off" not in err
-    assert ESConfig().noise == "iid" and not ESConfig().population_batching  # the API's defaults: the paper's
+    assert ESConfig().noise == "iid" and ESConfig().population_batching == "auto"  # the API's defaults: the paper's noise
 
 
 def test_demo_preset_values_from_a_yaml_file_count_as_given(tmp_path):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("noise: iid\n")
     config, preset, _ = resolve_config("train", {"config": str(config_file)})
-    assert preset == {} and config.noise == "iid" and not config.population_batching
+    assert preset == {"population_batching": True} and config.noise == "iid" and config.rank == 1
 
 
 def test_an_error_caused_by_the_demo_preset_says_so(tmp_path):

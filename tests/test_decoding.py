@@ -12,7 +12,7 @@ from esft.batches import prompt_batch
 from esft.config import embedded_model_path
 from esft.engines import decoding
 from esft.engines.base import generation_from_tokens
-from esft.engines.population import generate_population
+from esft.engines.population import MemberRows, generate_population
 from esft.engines.transformers_engine import TransformersEngine
 from esft.tasks.countdown_task import make_countdown_task
 
@@ -61,10 +61,24 @@ def test_min_new_tokens_forces_equal_lengths(engine, prompts):
         engine.min_new_tokens = 0
 
 
+@pytest.fixture(scope="module")
+def iid_engine():
+    """The embedded model with the paper's full-rank noise: population batching gives each member its own weights."""
+    return TransformersEngine.from_pretrained(str(embedded_model_path()), device="cpu", noise="iid", max_tokens=48)
+
+
+@pytest.mark.parametrize("noise", ["lowrank", "iid"])
 @pytest.mark.parametrize("mini_batch_size", [None, 5, "auto"])
-def test_population_batching_with_dropped_rows_equals_one_member_at_a_time(engine, prompts, mini_batch_size):
+def test_population_batching_with_dropped_rows_equals_one_member_at_a_time(engine, iid_engine, prompts, mini_batch_size,
+                                                                            noise, monkeypatch):
+    engine = engine if noise == "lowrank" else iid_engine
     seeds, sigma = [11, 12, 13, 14, 15], 2e-3
+    running = []
+    real = MemberRows.set_rows
+    monkeypatch.setattr(MemberRows, "set_rows", lambda self, active, n=0: (running.append(None if active is None else len(active)),
+                                                                          real(self, active, n)))
     batched = generate_population(engine, prompts, seeds, sigma, mini_batch_size=mini_batch_size)
+    assert any(None not in pair and pair[1] < pair[0] for pair in zip(running, running[1:]))  # rows dropped mid-call
     for seed, generation in zip(seeds, batched):
         engine.perturb(seed, sigma)
         try:
@@ -72,6 +86,38 @@ def test_population_batching_with_dropped_rows_equals_one_member_at_a_time(engin
         finally:
             engine.restore()
     assert len({tuple(map(tuple, g.token_ids)) for g in batched}) > 1  # members really differ
+
+
+def test_full_rank_members_that_do_not_fit_run_in_groups(iid_engine, prompts, monkeypatch):
+    """Each full-rank member holds its own copy of the weights: with room for two, five members run
+    as groups of 2, 2 and 1, and complete exactly as all five at once."""
+    from esft.engines import fullrank_population, sizing
+
+    seeds, sigma = [11, 12, 13, 14, 15], 2e-3
+    together = generate_population(iid_engine, prompts[:6], seeds, sigma)
+    sizes = []
+    real = fullrank_population.FullRankPopulation.__init__
+
+    def counted(self, engine, member_seeds, sigma):
+        sizes.append(len(member_seeds))
+        real(self, engine, member_seeds, sigma)
+
+    monkeypatch.setattr(fullrank_population.FullRankPopulation, "__init__", counted)
+    monkeypatch.setattr(sizing, "free_memory", lambda model: int(2.5 * fullrank_population.member_bytes(iid_engine)
+                                                                 / sizing.WEIGHTS_MEMORY_SHARE))
+    monkeypatch.setattr(sizing, "auto_rows", lambda model, sequence_length: 10**6)
+    assert generate_population(iid_engine, prompts[:6], seeds, sigma) == together
+    assert sizes == [2, 2, 1]
+
+
+def test_full_rank_members_per_call_fill_a_call_with_all_prompts_each(iid_engine):
+    from esft.engines.fullrank_population import FullRankPopulation
+    from esft.engines.sizing import CPU_TARGET_ROWS
+
+    prompts = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 200, 0).prompts
+    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts[:32]) == CPU_TARGET_ROWS // 32  # 16 members
+    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts) == CPU_TARGET_ROWS // 200  # 2 members
+    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts[:3]) == 30
 
 
 def test_auto_rows_per_call_fit_the_cpu_target_and_memory(engine):

@@ -165,7 +165,8 @@ def test_population_batching_on_ray_shares_out_the_population_and_matches_local(
 
 
 def test_ray_refuses_a_model_population_batching_cannot_handle(ray_cluster, tmp_path):
-    """GPT-2's position embedding serves the whole batch with one row: refused before training, as locally."""
+    """GPT-2's position embedding serves the whole batch with one row: refused before training, as locally,
+    when population batching is asked for; left to auto, members run one at a time."""
     from transformers import GPT2Config, GPT2LMHeadModel
     from tiny_model import build_tokenizer
 
@@ -179,6 +180,12 @@ def test_ray_refuses_a_model_population_batching_cannot_handle(ray_cluster, tmp_
     args = ESConfig(model=str(tmp_path), executor="ray", workers=1, **dict(SETTINGS, noise="lowrank", population_batching=True))
     with pytest.raises(ConfigError, match="^--population-batching: "):
         RayExecutor(args, toy_task(), str(tmp_path))
+    # left to auto, the same model is evaluated one member at a time, by every actor
+    executor = RayExecutor(ESConfig(model=str(tmp_path), executor="ray", workers=1, **SETTINGS), toy_task(), str(tmp_path))
+    try:
+        assert executor.population_batching is False
+    finally:
+        executor.close()
 
 
 def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):

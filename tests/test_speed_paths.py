@@ -1,8 +1,9 @@
-"""Speed paths (issue 5): low-rank noise, sequential vs population-batched evaluation.
+"""Speed paths (issues 5 and 15): low-rank noise, sequential vs population-batched evaluation.
 
-The batched path (all members in one generate call, low-rank terms added by forward hooks) must
-give the sequential path's logits (float tolerance) and greedy completions for the same member
-seeds; the low-rank update must match a direct computation; low-rank perturb/restore must be exact.
+The batched path (all members in one generate call: low-rank terms added by forward hooks, or with
+full-rank noise each member's own weights per module) must give the sequential path's logits (float
+tolerance) and greedy completions for the same member seeds; the low-rank update must match a direct
+computation; low-rank perturb/restore must be exact.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 from esft import strategy
 from esft.batches import PromptBatch
 from esft.config import ConfigError, ESConfig
+from esft.engines.fullrank_population import FullRankPopulation
 from esft.engines.population import (
     LowRankPopulation,
     PopulationBatchingError,
@@ -34,6 +36,7 @@ from toy_task import byte_reward, toy_rows
 PROMPTS = ["Using the numbers [1 2 3]", "abc", "a somewhat longer prompt here", "x", "Q7: 7 + 7 ="]
 SEEDS = [3, 141, 59, 2653]
 SIGMA = 0.05  # large enough that members' greedy completions differ on a tiny random model
+NOISES = ["lowrank", "iid"]  # the batched paths: shared weights + low-rank hooks, members' own full-rank weights
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -46,9 +49,9 @@ def model_dir(request, tmp_path_factory):
                             tie_word_embeddings=request.param == "tied")
 
 
-def load_engine(path, dtype=torch.float32, rank=2, **kwargs) -> TransformersEngine:
+def load_engine(path, dtype=torch.float32, rank=2, noise="lowrank", **kwargs) -> TransformersEngine:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    return TransformersEngine(model, AutoTokenizer.from_pretrained(path), noise="lowrank", rank=rank, **kwargs)
+    return TransformersEngine(model, AutoTokenizer.from_pretrained(path), noise=noise, rank=rank, **kwargs)
 
 
 def hf_generate(engine, prompts) -> list[list[int]]:
@@ -127,8 +130,9 @@ def test_lowrank_update_matches_direct_computation(model_dir):
 
 
 # ---------------------------------------------------- batched vs sequential
-def test_batched_logits_match_sequential(model_dir):
-    engine = load_engine(model_dir)
+@pytest.mark.parametrize("noise", NOISES)
+def test_batched_logits_match_sequential(model_dir, noise):
+    engine = load_engine(model_dir, noise=noise)
     encoded = engine._encode(PROMPTS)  # left-padded: the mask matters
     ids, mask = encoded["input_ids"], encoded["attention_mask"]
     model = engine.model
@@ -139,7 +143,7 @@ def test_batched_logits_match_sequential(model_dir):
             engine.perturb(seed, SIGMA)
             sequential.append(model(input_ids=ids, attention_mask=mask).logits)
             engine.restore()
-        with LowRankPopulation(engine, SEEDS, SIGMA):
+        with (LowRankPopulation if noise == "lowrank" else FullRankPopulation)(engine, SEEDS, SIGMA):
             batched = model(input_ids=ids.repeat(len(SEEDS), 1), attention_mask=mask.repeat(len(SEEDS), 1)).logits
         after = model(input_ids=ids, attention_mask=mask).logits  # hooks removed: the base model again
     expected = torch.cat(sequential)
@@ -149,8 +153,9 @@ def test_batched_logits_match_sequential(model_dir):
     assert torch.equal(after, base)
 
 
-def test_batched_greedy_completions_match_sequential(model_dir):
-    engine = load_engine(model_dir, max_tokens=12)
+@pytest.mark.parametrize("noise", NOISES)
+def test_batched_greedy_completions_match_sequential(model_dir, noise):
+    engine = load_engine(model_dir, max_tokens=12, noise=noise)
     base = engine.generate(PROMPTS)
     batched = generate_population(engine, PROMPTS, SEEDS, SIGMA)
     assert len(batched) == len(SEEDS)
@@ -168,12 +173,13 @@ def test_batched_greedy_completions_match_sequential(model_dir):
     assert generate_population(engine, PROMPTS, SEEDS, SIGMA, mini_batch_size=2) == batched
 
 
-def test_population_batching_executor_equals_sequential_executor(tmp_path):
+@pytest.mark.parametrize("noise", NOISES)
+def test_population_batching_executor_equals_sequential_executor(tmp_path, noise):
     path = build_tiny_model(tmp_path / "model", initializer_range=0.3)
     rows = PromptBatch(0, toy_rows(4))
     scorer = RewardRunner([byte_reward], sandbox=False).score
-    sequential = LocalExecutor(load_engine(path, max_tokens=8), scorer, SIGMA)
-    batched = LocalExecutor(load_engine(path, max_tokens=8), scorer, SIGMA, population_batching=True)
+    sequential = LocalExecutor(load_engine(path, max_tokens=8, noise=noise), scorer, SIGMA)
+    batched = LocalExecutor(load_engine(path, max_tokens=8, noise=noise), scorer, SIGMA, population_batching=True)
     one = sequential.evaluate_population(SEEDS, rows)
     two = batched.evaluate_population(SEEDS, rows)
     assert [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in one] == \
@@ -185,9 +191,10 @@ def test_population_batching_executor_equals_sequential_executor(tmp_path):
     assert sequential.checksum() == batched.checksum()
 
 
-def test_conv1d_models_work_and_unsupported_uses_are_refused(tmp_path):
-    """GPT-2 (Conv1D layers, tied wte/lm_head): works once the broadcast position embedding (one row
-    for the whole batch, so not per member) is excluded; with it, the engine is refused."""
+@pytest.mark.parametrize("noise", NOISES)
+def test_conv1d_models_work_and_unsupported_uses_are_refused(tmp_path, noise):
+    """GPT-2 (Conv1D layers, tied wte/lm_head, LayerNorm): works once the broadcast position embedding
+    (one row for the whole batch, so not per member) is excluded; with it, the engine is refused."""
     tokenizer = build_tokenizer()
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
@@ -196,7 +203,7 @@ def test_conv1d_models_work_and_unsupported_uses_are_refused(tmp_path):
     model = GPT2LMHeadModel(config)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    engine = load_engine(tmp_path, max_tokens=6, trainable=r"^(?!transformer\.wpe)")
+    engine = load_engine(tmp_path, max_tokens=6, trainable=r"^(?!transformer\.wpe)", noise=noise)
     check_population_batching(engine)
     batched = generate_population(engine, PROMPTS[:3], SEEDS[:2], SIGMA)
     for seed, generation in zip(SEEDS[:2], batched):
@@ -204,7 +211,29 @@ def test_conv1d_models_work_and_unsupported_uses_are_refused(tmp_path):
         assert engine.generate(PROMPTS[:3]).token_ids == generation.token_ids
         engine.restore()
     with pytest.raises(PopulationBatchingError):
-        check_population_batching(load_engine(tmp_path))
+        check_population_batching(load_engine(tmp_path, noise=noise))
+
+
+def test_auto_population_batching_falls_back_to_one_member_at_a_time_where_the_check_fails(tmp_path):
+    """`esft train --model GPT2DIR` (population batching auto): GPT-2's broadcast position embedding
+    fails the batched path's check, so members run one at a time, said in one line, and the run
+    succeeds; insisting with --population-batching is a user error (exit 2) naming the tensor."""
+    from test_cli import TINY, assert_user_error, esft
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=512,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                               bos_token_id=tokenizer.eos_token_id, initializer_range=0.3)).save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    common = ("train", "--model", str(tmp_path / "gpt2"), *TINY, "--iterations", "1", "--logging", "none",
+              "--output-dir", str(tmp_path / "runs"))
+    proc, _ = esft(*common, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    notes = [line for line in proc.stderr.splitlines() if "population batching is off" in line]
+    assert len(notes) == 1 and "transformer.wpe" in notes[0] and "--trainable" in notes[0], proc.stderr
+    proc, _ = esft(*common, "--population-batching", cwd=tmp_path)
+    assert_user_error(proc, "--population-batching: ", "transformer.wpe")
 
 
 # Decoder architectures beyond Llama: biases (Qwen2), q/k norms (Qwen3), fused qkv / gate_up (Phi3),
@@ -222,8 +251,9 @@ ARCHITECTURES = {
 }
 
 
+@pytest.mark.parametrize("noise", NOISES)
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_batched_completions_match_sequential_across_architectures(architecture, tmp_path):
+def test_batched_completions_match_sequential_across_architectures(architecture, noise, tmp_path):
     import transformers
 
     config_class, extra, trainable = ARCHITECTURES[architecture]
@@ -237,8 +267,8 @@ def test_batched_completions_match_sequential_across_architectures(architecture,
     tokenizer.save_pretrained(tmp_path)
     if trainable is not None:  # the model as it comes is refused, with a way out
         with pytest.raises(PopulationBatchingError, match="--trainable"):
-            check_population_batching(load_engine(tmp_path))
-    engine = load_engine(tmp_path, max_tokens=10, trainable=trainable)
+            check_population_batching(load_engine(tmp_path, noise=noise))
+    engine = load_engine(tmp_path, max_tokens=10, trainable=trainable, noise=noise)
     check_population_batching(engine)
     base = engine.generate(PROMPTS[:4])
     assert base.token_ids == hf_generate(engine, PROMPTS[:4])  # the lean decoder is greedy generate, token for token
@@ -250,17 +280,19 @@ def test_batched_completions_match_sequential_across_architectures(architecture,
     assert sum(generation.texts != base.texts for generation in batched) >= 2  # members really differ
 
 
+@pytest.mark.parametrize("noise", NOISES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_self_check_accepts_low_precision_models(model_dir, dtype):
-    engine = load_engine(model_dir, dtype=dtype)
+def test_self_check_accepts_low_precision_models(model_dir, dtype, noise):
+    engine = load_engine(model_dir, dtype=dtype, noise=noise)
     assert population_batching_problem(engine) is None
     assert getattr(engine, "_esft_population_checked")  # checked once, then trusted
 
 
-def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_dir):
+@pytest.mark.parametrize("noise", NOISES)
+def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_dir, noise):
     """A forward that reads a perturbed matrix directly (F.linear on the weight, not the module call)
     never meets the hooks: the batched logits would miss that perturbation, so the model is refused."""
-    engine = load_engine(model_dir)
+    engine = load_engine(model_dir, noise=noise)
     mlp = engine.model.model.layers[0].mlp
 
     def forward(x):
@@ -274,13 +306,14 @@ def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_
 @pytest.mark.parametrize("settings, accepted", [
     (dict(noise="lowrank", rank=4, population_batching=True), True),
     (dict(noise="lowrank", population_batching=True, executor="ray", workers=2), True),
-    (dict(population_batching=True), "--population-batching: needs --noise lowrank"),
+    (dict(population_batching=True), True),  # full-rank members batch too, each with its own weights
+    (dict(population_batching=True, engine="vllm"), "--population-batching: is a transformers-engine path"),
     (dict(noise="lowrank", rank=0), "--rank"),
     (dict(noise="lowrank", engine="vllm"), "--noise"),
 ])
 def test_config_rules(settings, accepted):
     if accepted is True:
-        assert ESConfig(**settings).noise == "lowrank"
+        assert ESConfig(**settings).noise == settings.get("noise", "iid")
     else:
         with pytest.raises(ConfigError, match=accepted):
             ESConfig(**settings)

@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + field.name.replace("_", "-")
             help_text = f"{field.metadata['help']} [default: {field.default}]"
             group = groups[field.metadata["group"]]
-            if field.type == "bool":
+            if field.type in ("bool", "bool | str"):  # bool | str: on, off, or a word ("auto") left as the default
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
             elif field.metadata.get("repeatable"):
                 group.add_argument(flag, action=_Repeated, metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
@@ -97,9 +97,8 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     if lora:  # LoRA-ES: the adapter is small, its full-rank noise batches per member (esft.engines.adapter_population)
         reasons.append(("--lora-r" if settings.get("lora_r") else "--lora-adapter", ("noise", "rank"),
                         "LoRA-ES perturbs the adapter with the paper's i.i.d. noise, still batched"))
-    if settings.get("noise", "lowrank") != "lowrank" and not lora:
-        reasons.append((f"--noise {settings['noise']}", ("rank", "population_batching"),
-                        "full-rank members cannot share one set of weights"))
+    if settings.get("noise", "lowrank") != "lowrank":  # full-rank members still batch, each with its own weights;
+        preset.pop("rank", None)  # the rank means nothing to them (and the preset's is ESConfig's default): nothing to say
     if settings.get("population_batching") is False:
         reasons.append(("--no-population-batching", (), ""))
     dropped = []
@@ -349,8 +348,8 @@ def main(argv: list[str] | None = None) -> int:
             if run is not None:
                 run.discard_if_unused()
             if preset and getattr(error, "name", None) in preset:  # the user never typed that flag
-                raise UserError(f"{error} (set by the demo preset {preset_flags(preset)}; pass --noise iid to "
-                                "turn the preset off)") from None
+                raise UserError(f"{error} (set by the demo preset {preset_flags(preset)}; give the flag yourself, e.g. "
+                                "--noise iid for the paper's full-rank noise or --no-population-batching)") from None
             raise UserError(str(error)) from None
         if preset:
             print(f"esft: demo preset: {preset_flags(preset)} (the fastest setting that keeps the demo's accuracy gain; "

@@ -154,13 +154,18 @@ class ESConfig:
         default="iid",
     )
     rank: int = _in("ES", "Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", default=1)
-    population_batching: bool = _in(
+    population_batching: bool | str = _in(
         "ES",
-        "Evaluate all members in one batched generate call: the unperturbed weights' matmuls are shared "
-        "and each member's low-rank term is added to its rows (needs --noise lowrank and the transformers "
-        "engine; with --executor ray each actor batches an equal share). Same completions as one member "
-        "at a time, faster.",
-        default=False,
+        "Evaluate members together in batched generate calls (the transformers engine; with --executor ray "
+        "each actor batches an equal share). --noise lowrank: the unperturbed weights' matmuls are shared "
+        "and each member's low-rank term is added to its rows. iid/correlated: each member's rows use its "
+        "own weights, saving calls, not arithmetic: members per call are as many as bring ~512 rows on CPU "
+        "(from free memory on a GPU) with all prompts each and fit in a quarter of free memory; one per call "
+        "when a member's prompts already fill a call. Same completions as one member at a time, faster. "
+        "auto: on for the transformers engine when the model passes the batched path's check (else one "
+        "member at a time, said in one line); --population-batching insists (a model that fails is an "
+        "error); --no-population-batching: one member at a time.",
+        default="auto",
     )
     reward_shaping: str = _in(
         "ES",

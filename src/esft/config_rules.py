@@ -66,9 +66,11 @@ def check(config) -> None:
     _check_algorithm(config)
     if config.noise == "lowrank" and config.engine != "transformers":
         raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {config.engine})")
-    if config.population_batching and config.noise != "lowrank" and not config.uses_lora():
-        raise ConfigError("population_batching", f"needs --noise lowrank or LoRA-ES (got --noise {config.noise}): "
-                          "full-rank members of the whole model cannot share one set of weights")
+    if config.population_batching not in (True, False, "auto"):
+        raise ConfigError("population_batching", f"must be true, false or auto; got {config.population_batching!r}")
+    if config.population_batching is True and config.engine != "transformers":
+        raise ConfigError("population_batching", f"is a transformers-engine path (got --engine {config.engine}): "
+                          "drop --population-batching")
     _check_lora(config)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.device):
         raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {config.device!r}")
@@ -278,6 +280,8 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
     base = annotation.replace("| None", "").strip()
     if base == "int | str":  # a number, or a word such as "auto" (checked by its own rule)
         base = "int" if isinstance(value, int) else "str"
+    if base == "bool | str":  # true/false, or a word such as "auto" (checked by its own rule)
+        base = "bool" if isinstance(value, bool) else "str"
     ok = {
         "int": isinstance(value, int) and not isinstance(value, bool),
         "float": is_number(value),

@@ -238,7 +238,8 @@ def _add_rows(output: torch.Tensor, groups: int, low: torch.Tensor, right: torch
 # ------------------------------------------------------------------ generation
 def _population_class(engine):
     """The hooks that batch this engine's members: low-rank noise's, unless the engine names its own
-    (a LoRA engine with full-rank noise: esft.engines.adapter_population)."""
+    (full-rank noise: esft.engines.fullrank_population; a LoRA engine with full-rank noise:
+    esft.engines.adapter_population)."""
     return getattr(engine, "population_class", LowRankPopulation)
 
 
@@ -249,19 +250,34 @@ def generate_population(
     """Greedy completions of `prompts` for every member (one Generation per member, prompts in
     order), all members in each generate call; `mini_batch_size` prompts (× members rows) per call."""
     check_population_batching(engine)
-    count = len(member_seeds)
+    population_class = _population_class(engine)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
-    with _population_class(engine)(engine, member_seeds, sigma) as population:
-        for rows in engine.generated_chunks(prompts, mini_batch_size, copies=count, on_rows=population.set_rows):
-            population.set_rows(None)
-            chunk = len(rows) // count
-            for member, result in enumerate(results):
-                part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,
-                                              engine.tokenizer)
-                result.token_ids.extend(part.token_ids)
-                result.num_tokens.extend(part.num_tokens)
-                result.texts.extend(part.texts)
+    group = len(member_seeds)
+    if hasattr(population_class, "members_per_call"):  # members holding their own weights run in groups
+        group = population_class.members_per_call(engine, len(member_seeds), prompts)
+    if group == 1:  # one member's prompts fill a call: its weights in place, no copy (the sequential path)
+        return [_one_member(engine, prompts, seed, sigma, mini_batch_size) for seed in member_seeds]
+    for first in range(0, len(member_seeds), group):
+        seeds = member_seeds[first : first + group]
+        with population_class(engine, seeds, sigma) as population:
+            for rows in engine.generated_chunks(prompts, mini_batch_size, copies=len(seeds), on_rows=population.set_rows):
+                population.set_rows(None)
+                chunk = len(rows) // len(seeds)
+                for member, result in enumerate(results[first : first + group]):
+                    part = generation_from_tokens(rows[member * chunk : (member + 1) * chunk], engine.eos_token_ids,
+                                                  engine.tokenizer)
+                    result.token_ids.extend(part.token_ids)
+                    result.num_tokens.extend(part.num_tokens)
+                    result.texts.extend(part.texts)
     return results
+
+
+def _one_member(engine, prompts: Sequence[str], seed: int, sigma: float, mini_batch_size: int | None) -> Generation:
+    engine.perturb(seed, sigma)
+    try:
+        return engine.generate(prompts, mini_batch_size)
+    finally:
+        engine.restore()
 
 
 # ------------------------------------------------------------------ self-check
@@ -290,7 +306,7 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     model = engine.model
     matrices = [engine.master[name] for _, name, param in engine.trainable if perturbs(engine.noise, param.shape)]
     if not matrices:
-        raise PopulationBatchingError("no trainable matrix: low-rank noise perturbs matrices only")
+        raise PopulationBatchingError(f"no trainable matrix: {engine.noise} noise perturbs matrices only")
     rms = float(torch.stack([m.pow(2).mean().sqrt() for m in matrices]).mean())
     sigma = 0.3 * rms if rms > 0 else 0.3  # all-zero matrices (a fresh LoRA B): a scale of its own
     vocab = model.get_input_embeddings().num_embeddings
@@ -312,8 +328,9 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     tolerance = 1e-3 if next(model.parameters()).dtype == torch.float32 else 0.15
     if not error <= tolerance * max(effect, 1e-6):
         raise PopulationBatchingError(
-            f"batched low-rank logits differ from the sequential path's by {error:.3g} (perturbation effect "
-            f"{effect:.3g}): this model uses a perturbed matrix outside nn.Linear/nn.Embedding/Conv1D or lays "
-            "out its batch differently; evaluate members one at a time (no --population-batching)"
+            f"batched logits differ from the sequential path's by {error:.3g} (perturbation effect {effect:.3g}): "
+            "this model uses a perturbed tensor outside the module that owns it (for low-rank noise: outside "
+            "nn.Linear/nn.Embedding/Conv1D) or lays out its batch differently; evaluate members one at a time "
+            "(no --population-batching)"
         )
     setattr(engine, _CHECKED, True)

@@ -8,6 +8,12 @@ Rows per call aim at what runs fastest and stay within memory:
   cache and activations;
 - CUDA: as many rows as fit in GPU_MEMORY_SHARE of the free GPU memory (larger batches keep a GPU
   busier; the cache and activations are what grows), at most GPU_MAX_ROWS.
+
+Full-rank population batching holds every member's own copy of the trainable tensors and reads each
+member's at every decoding step: members per call are as many as bring about the rows above with all
+of the iteration's prompts each (32 prompts: 16 members; 200 prompts: 2), and no more than their
+copies fit in WEIGHTS_MEMORY_SHARE of the free memory (RAM or GPU); the rows are then sized from what
+is left.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ CPU_TARGET_ROWS = 512
 GPU_MEMORY_SHARE = 0.5
 GPU_MAX_ROWS = 8192
 CPU_MEMORY_SHARE = 0.25
+WEIGHTS_MEMORY_SHARE = 0.25
 
 
 def bytes_per_row(model, sequence_length: int) -> int:
@@ -48,16 +55,29 @@ def available_cpu_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def auto_rows(model, sequence_length: int) -> int:
-    """Rows per generate call for this model on its device (module docstring)."""
+def free_memory(model) -> int:
+    """Bytes free where the model lives: the GPU's free memory, or available RAM."""
     import torch
 
-    per_row = max(1, bytes_per_row(model, sequence_length))
     device = next(model.parameters()).device
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return max(1, min(GPU_MAX_ROWS, int(GPU_MEMORY_SHARE * free) // per_row))
-    return max(1, min(CPU_TARGET_ROWS, int(CPU_MEMORY_SHARE * available_cpu_memory()) // per_row))
+        return torch.cuda.mem_get_info(device)[0]
+    return available_cpu_memory()
+
+
+def full_rank_members_per_call(model, bytes_per_member: int, prompts: int, sequence_length: int) -> int:
+    """Members per call of full-rank population batching: about auto_rows rows with all `prompts` per
+    member, and no more members than their own weights fit in WEIGHTS_MEMORY_SHARE of free memory."""
+    fit = int(WEIGHTS_MEMORY_SHARE * free_memory(model)) // max(1, bytes_per_member)
+    return max(1, min(fit, auto_rows(model, sequence_length) // max(1, prompts)))
+
+
+def auto_rows(model, sequence_length: int) -> int:
+    """Rows per generate call for this model on its device (module docstring)."""
+    per_row = max(1, bytes_per_row(model, sequence_length))
+    if next(model.parameters()).device.type == "cuda":
+        return max(1, min(GPU_MAX_ROWS, int(GPU_MEMORY_SHARE * free_memory(model)) // per_row))
+    return max(1, min(CPU_TARGET_ROWS, int(CPU_MEMORY_SHARE * free_memory(model)) // per_row))
 
 
 def auto_prompts_per_call(model, prompts: int, copies: int, sequence_length: int) -> int:

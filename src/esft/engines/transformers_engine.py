@@ -74,6 +74,10 @@ class TransformersEngine:
         self._scratch = {name: flat[: m.numel()].view(m.shape) for name, m in self.master.items()}
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self._prepare_tokenizer_and_generation()
+        if noise not in LOW_RANK_SCHEMES:  # --population-batching with full-rank noise: each member's own weights
+            from esft.engines.fullrank_population import FullRankPopulation
+
+            self.population_class = FullRankPopulation
 
     @classmethod
     def from_pretrained(
@@ -123,20 +127,24 @@ class TransformersEngine:
     @torch.no_grad()
     def perturb(self, member_seed: int, sigma: float) -> None:
         """θ ← master + σ·ε(member_seed), tensor by tensor, in the model dtype."""
-        low_rank = self.noise in LOW_RANK_SCHEMES
         for index, name, param in self.trainable:
-            if not perturbs(self.noise, param.shape):
-                continue  # frozen under this scheme (low-rank: non-matrix tensors)
-            # one fused pass into the weight itself when it is float32, else via scratch and a copy
-            direct = param.dtype == torch.float32
-            out = param if direct else self._scratch[name]
-            if low_rank:
-                lowrank.perturbed_matrix(self.master[name], member_seed, index, sigma, self.rank, self._generator, out)
-            else:
-                noise = draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, self._scratch[name])
-                torch.add(self.master[name], noise, alpha=sigma, out=out)
-            if not direct:
-                param.copy_(out)
+            if perturbs(self.noise, param.shape):  # else frozen under this scheme (low-rank: non-matrix tensors)
+                self.perturbed_into(index, name, member_seed, sigma, param)
+
+    @torch.no_grad()
+    def perturbed_into(self, index: int, name: str, member_seed: int, sigma: float, out: torch.Tensor) -> None:
+        """out ← master + σ·ε(member_seed) of trainable tensor `index`, rounded once to out's dtype: a
+        member's weights, written into the model (perturb) or into a population's stack
+        (esft.engines.fullrank_population), the same values either way."""
+        direct = out.dtype == torch.float32  # one fused pass into `out` itself, else via scratch and a copy
+        target = out if direct else self._scratch[name]
+        if self.noise in LOW_RANK_SCHEMES:
+            lowrank.perturbed_matrix(self.master[name], member_seed, index, sigma, self.rank, self._generator, target)
+        else:
+            noise = draw_noise(self.noise, member_seed, index, out.shape, self.device, self._generator, self._scratch[name])
+            torch.add(self.master[name], noise, alpha=sigma, out=target)
+        if not direct:
+            out.copy_(target)
 
     @torch.no_grad()
     def restore(self) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 from esft.config import ConfigError, ESConfig
 from esft.engines.base import Engine
-from esft.executors.local import LocalExecutor, MemberResult, Scorer
+from esft.executors.local import LocalExecutor, MemberResult, Scorer, resolve_population_batching
 
-__all__ = ["LocalExecutor", "MemberResult", "Scorer", "build_executor"]
+__all__ = ["LocalExecutor", "MemberResult", "Scorer", "build_executor", "resolve_population_batching"]
 
 
 def build_executor(args: ESConfig, task, scorer: Scorer, engine_builder: Callable[[], Engine], model: Any = None):
@@ -25,10 +25,10 @@ def build_executor(args: ESConfig, task, scorer: Scorer, engine_builder: Callabl
             raise ConfigError("executor", f"ray is not installed ({error}); pip install 'esft[ray]'") from None
         return RayExecutor(args, task, model)
     engine = engine_builder()
-    if args.population_batching:  # refuse a model the batched path would mis-evaluate, before training
+
+    def problem():  # the batched path's self-check, before training: a model it would mis-evaluate is not batched
         from esft.engines.population import population_batching_problem
 
-        problem = population_batching_problem(engine)
-        if problem:
-            raise ConfigError("population_batching", problem)
-    return LocalExecutor(engine, scorer, args.sigma, population_batching=args.population_batching)
+        return population_batching_problem(engine)
+
+    return LocalExecutor(engine, scorer, args.sigma, population_batching=resolve_population_batching(args, problem))

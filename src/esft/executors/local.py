@@ -4,12 +4,14 @@ the trainer never knows where the weights live."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 from esft.batches import PromptBatch
+from esft.config import ConfigError
 from esft.engines.base import Engine, Generation, Sampling
 from esft.rewards import Scores
 
@@ -26,6 +28,24 @@ class MemberResult:
     """Mean reward over the batch: the member's fitness (maximized)."""
     scores: Scores
     num_tokens: int
+
+
+def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool:
+    """Whether members are evaluated batched, from --population-batching: True needs the model to pass
+    the batched path's self-check (`problem()` says why not: a ConfigError); "auto" is on for the
+    transformers engine when it passes, else off with the reason said in one line; False is off."""
+    wanted = args.population_batching
+    if wanted is False or args.algorithm != "es" or args.iterations == 0:  # no ES members to evaluate
+        return False
+    if wanted == "auto" and args.engine != "transformers":
+        return False
+    reason = problem()
+    if reason is None:
+        return True
+    if wanted is True:
+        raise ConfigError("population_batching", reason)
+    print(f"esft: members are evaluated one at a time (population batching is off): {reason}", file=sys.stderr)
+    return False
 
 
 class LocalExecutor:

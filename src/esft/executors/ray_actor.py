@@ -36,13 +36,14 @@ class ESActor:
         self.engine = build_engine(args, model)
         self._batch: PromptBatch | None = None
 
-    def set_task(self, task) -> None:
+    def set_task(self, task, population_batching: bool) -> None:
         """Hold the task (datasets, reward functions) and score exactly as the trainer does, through
-        the same reward runners (esft.rewards.reward_runners)."""
+        the same reward runners (esft.rewards.reward_runners); members batched as the driver resolved
+        --population-batching (esft.executors.local.resolve_population_batching)."""
         self.task, self._batch = task, None
         self.rewards, _ = reward_runners(task, self.args)
         self._local = LocalExecutor(self.engine, self.rewards.score, self.args.sigma,
-                                    population_batching=self.args.population_batching)
+                                    population_batching=population_batching)
 
     def identity(self) -> tuple[int, str]:
         """(pid, node ip): names the actor in errors; the test kills the pid."""

@@ -30,7 +30,7 @@ import ray
 from esft.batches import PromptBatch, prompt_batch
 from esft.config import ConfigError, ESConfig, model_path
 from esft.engines.base import Generation, NonFiniteWeights, Sampling
-from esft.executors.local import MemberResult
+from esft.executors.local import MemberResult, resolve_population_batching
 from esft.executors.ray_actor import ESActor
 
 log = logging.getLogger(__name__)
@@ -88,23 +88,24 @@ class RayExecutor:
         for slot, identity in zip(self.slots, identities):
             slot.identity = tuple(identity)
         self._checksum = self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
-        if args.population_batching:  # refuse a model the batched path would mis-evaluate, before training
-            problem = ray.get(self.slots[0].actor.population_batching_problem.remote())
-            if problem:
-                self.close()
-                raise ConfigError("population_batching", problem)
+        try:  # the batched path's self-check on one actor, before training (every actor holds the same model)
+            self.population_batching = resolve_population_batching(
+                args, lambda: ray.get(self.slots[0].actor.population_batching_problem.remote()))
+        except ConfigError:
+            self.close()
+            raise
         self.engine = RayEngine(self)
 
     def _new_actor(self):
         actor = self._actor_class.remote(self.args, self.model, [p for p in sys.path if p])
         if self._task_ref is not None:
-            actor.set_task.remote(self._task_ref)
+            actor.set_task.remote(self._task_ref, self.population_batching)
         return actor
 
     def _ship_task(self) -> None:
         if self._task_ref is None:
             self._task_ref = ray.put(self.task)
-            ray.get([slot.actor.set_task.remote(self._task_ref) for slot in self.slots])
+            ray.get([slot.actor.set_task.remote(self._task_ref, self.population_batching) for slot in self.slots])
 
     def _report(self, message: str) -> None:
         self.events.append(message)
@@ -119,7 +120,7 @@ class RayExecutor:
         self._ship_task()
         expected = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch.iteration)
         payload = None if expected.rows == batch.rows else list(batch.rows)
-        share = -(-len(member_seeds) // len(self.slots)) if self.args.population_batching else 1
+        share = -(-len(member_seeds) // len(self.slots)) if self.population_batching else 1
         pending = deque(list(range(start, min(start + share, len(member_seeds))))
                         for start in range(0, len(member_seeds), share))
         results: list[MemberResult | None] = [None] * len(member_seeds)
