@@ -5,9 +5,11 @@ script generates the demo's first iterations (embedded model, demo preset noise,
 64 tokens) batched with several mini-batch sizes and member by member, and prints how many tokens
 differ from the sequential path. Without the padding column TransformersEngine now puts on every row,
 a mini-batch whose prompts had equal lengths ran without padding, took another attention kernel, and
-some rows' tokens changed (mini-batch 4 against 8 or 17).
+some rows' tokens changed (mini-batch 4 against 8 or 17). With --noise iid the batched path is
+full-rank population batching (each member's own weights, members in groups of 16 at 32 prompts).
 
     OMP_NUM_THREADS=1 python benchmarks/minibatch_agreement.py --iterations 3 --sizes 4,8,17
+    OMP_NUM_THREADS=1 python benchmarks/minibatch_agreement.py --iterations 3 --sizes 4,8,32 --noise iid
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ def main() -> None:
     parser.add_argument("--sizes", default="4,8,17", help="mini-batch sizes (prompts per call), comma-separated")
     parser.add_argument("--population", type=int, default=30)
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--noise", default="lowrank", choices=["lowrank", "iid"], help="the demo preset's, or the paper's")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    engine = TransformersEngine.from_pretrained(str(embedded_model_path()), device="cpu", noise="lowrank", rank=1,
+    engine = TransformersEngine.from_pretrained(str(embedded_model_path()), device="cpu", noise=args.noise, rank=1,
                                                 max_tokens=64)
     task = make_countdown_task(seed=0)
     differing_total = 0
