@@ -56,7 +56,7 @@ class FullRankPopulation(MemberRows):
         super().__init__(len(member_seeds))
         perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable
                      if perturbs(engine.noise, param.shape)}
-        # A Linear's weight is stored (N, in, out): bmm with contiguous right factors runs 2-3.5× faster
+        # A Linear's weight is stored (N, in, out): bmm with contiguous right factors runs 1.6-4× faster
         # than with transposed views (measured: benchmarks/RESULTS.md). Every use sees (N, out, in) views.
         linear_weights = {id(module.weight) for module in engine.model.modules() if type(module) is nn.Linear}
         stacks: dict[int, torch.Tensor] = {}
