@@ -46,9 +46,10 @@ def toy_task() -> Task:
 
 @pytest.fixture
 def pool(ray_cluster, tiny_model_dir):
-    """A RayExecutor with 2 actors, and a local engine kept in step with it as the reference (fresh for
-    each test: tests kill actors, make them diverge, change the replay limit)."""
-    args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **SETTINGS)
+    """A RayExecutor with 2 actors handing out one member at a time, and a local engine kept in step
+    with it as the reference (fresh for each test: tests kill actors mid-member, make them diverge,
+    change the replay limit). Batched shares: test_a_dead_actors_batched_share_is_rerun_elsewhere."""
+    args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, population_batching=False, **SETTINGS)
     task = toy_task()
     executor = RayExecutor(args, task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
@@ -109,6 +110,27 @@ def test_actor_killed_mid_iteration_is_replaced_and_rewards_are_unchanged(pool, 
     assert executor.checksum() == local.engine.checksum()
     ours, theirs = step(pool, 3)  # the replacement takes part in the next iteration as usual
     assert ours == theirs and executor.checksum() == local.engine.checksum()
+
+
+def test_a_dead_actors_batched_share_is_rerun_elsewhere(ray_cluster, tiny_model_dir):
+    """Population batching (the default where the model passes its check): each actor gets a share of
+    the population. An actor that died before the iteration loses its share to the other and is
+    replaced; the rewards and weights are those of a failure-free run."""
+    args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **SETTINGS)
+    task = toy_task()
+    executor = RayExecutor(args, task, str(tiny_model_dir))
+    local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+    try:
+        assert executor.population_batching is True
+        pid = executor.slots[1].identity[0]
+        os.kill(pid, signal.SIGKILL)
+        ours, theirs = step((executor, local, args, task), 0)
+        assert ours == theirs and len(set(ours)) > 1
+        assert executor.slots[1].identity[0] != pid and any("replaced the dead actor" in e for e in executor.events)
+        assert executor.checksum() == local.engine.checksum()
+    finally:
+        executor.close()
 
 
 def test_checksum_mismatch_stops_naming_the_actors(pool):

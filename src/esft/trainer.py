@@ -72,7 +72,6 @@ class ESTrainer:
         self._kl_base = _cpu_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
         self.state = strategy.init(args.seed)
         self.run = run
-        self.run_dir: Path | None = run.path if run is not None else None
         self.initial_metrics: dict[str, float] = {}
         self.failure_totals: dict[str, dict[str, Any]] = {}
         """Per reward function: failed and scored samples of this train() call, and the first failure."""
@@ -80,6 +79,11 @@ class ESTrainer:
         self._logger: MetricsLogger | None = None
         self._progress: Any = None
         self.report_path: Path | None = None  # report.html, written by train() (esft.report)
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run directory (None until train() has claimed one)."""
+        return self.run.path if self.run is not None else None
 
     def _build_engine(self, model: Any, processing_class: Any):
         """The engine (built after the task and its data are checked; esft.grpo builds another)."""
@@ -132,7 +136,6 @@ class ESTrainer:
         if self.run is None:
             resume = resume_from_checkpoint or args.resume
             self.run = open_run(args, find_resume_point(resume) if resume else None)
-        self.run_dir = self.run.path
         try:
             return self._train()
         finally:

@@ -103,9 +103,17 @@ class RayExecutor:
         return actor
 
     def _ship_task(self) -> None:
-        if self._task_ref is None:
-            self._task_ref = ray.put(self.task)
-            ray.get([slot.actor.set_task.remote(self._task_ref, self.population_batching) for slot in self.slots])
+        """Send the task to every actor once (before the first members); an actor found dead is replaced."""
+        if self._task_ref is not None:
+            return
+        self._task_ref = ray.put(self.task)
+        futures = {slot.actor.set_task.remote(self._task_ref, self.population_batching): slot for slot in self.slots}
+        for future, slot in futures.items():
+            try:
+                ray.get(future)
+            except ray.exceptions.RayActorError as error:
+                self._report(f"{slot.name} died before its first work ({type(error).__name__}); starting a replacement")
+                self._joined(slot, self._replace(slot), {}, wait=True)  # the replacement gets the task as it starts
 
     def _report(self, message: str) -> None:
         self.events.append(message)
