@@ -110,6 +110,28 @@ def test_full_rank_members_that_do_not_fit_run_in_groups(iid_engine, prompts, mo
     assert sizes == [2, 2, 1]
 
 
+def test_members_whose_prompts_fill_a_call_run_one_at_a_time_with_their_weights_in_place(iid_engine, monkeypatch):
+    """Where one member's prompts already fill a call, batching full-rank members gains nothing: the
+    executor evaluates them one at a time (no copies of the weights) and scores as the sequential path."""
+    from esft.engines import fullrank_population, sizing
+    from esft.executors import LocalExecutor
+    from esft.rewards import RewardRunner
+    from esft.tasks.countdown import countdown_reward
+
+    batch = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 12, 0)
+    scorer = RewardRunner([countdown_reward], sandbox=False).score
+    seeds = [11, 12, 13]
+    sequential = LocalExecutor(iid_engine, scorer, 2e-3).evaluate_population(seeds, batch)
+    monkeypatch.setattr(sizing, "auto_rows", lambda model, sequence_length: 12)  # one member's 12 prompts fill a call
+
+    def no_copies(*args):
+        raise AssertionError("members were batched")
+
+    monkeypatch.setattr(fullrank_population.FullRankPopulation, "__init__", no_copies)
+    batched = LocalExecutor(iid_engine, scorer, 2e-3, population_batching=True).evaluate_population(seeds, batch)
+    assert [(m.seed, m.reward, m.num_tokens) for m in batched] == [(m.seed, m.reward, m.num_tokens) for m in sequential]
+
+
 def test_full_rank_members_per_call_fill_a_call_with_all_prompts_each(iid_engine):
     from esft.engines.fullrank_population import FullRankPopulation
     from esft.engines.sizing import CPU_TARGET_ROWS

@@ -243,20 +243,28 @@ def _population_class(engine):
     return getattr(engine, "population_class", LowRankPopulation)
 
 
+def members_per_call(engine, members: int, prompts: Sequence[str]) -> int:
+    """Members batched in one generate call: all of them, unless each holds its own weights (full-rank
+    noise: esft.engines.fullrank_population, as many as fit and fill a call). 1 means batching gains
+    nothing here: the executor then evaluates members one at a time, weights in place."""
+    population_class = _population_class(engine)
+    if hasattr(population_class, "members_per_call"):
+        return population_class.members_per_call(engine, members, prompts)
+    return members
+
+
 @torch.no_grad()
 def generate_population(
-    engine, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float, mini_batch_size: int | None = None
+    engine, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float, mini_batch_size: int | None = None,
+    group: int | None = None,
 ) -> list[Generation]:
     """Greedy completions of `prompts` for every member (one Generation per member, prompts in
-    order), all members in each generate call; `mini_batch_size` prompts (× members rows) per call."""
+    order), `group` members (default: members_per_call) in each generate call; `mini_batch_size`
+    prompts (× members rows) per call."""
     check_population_batching(engine)
     population_class = _population_class(engine)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
-    group = len(member_seeds)
-    if hasattr(population_class, "members_per_call"):  # members holding their own weights run in groups
-        group = population_class.members_per_call(engine, len(member_seeds), prompts)
-    if group == 1:  # one member's prompts fill a call: its weights in place, no copy (the sequential path)
-        return [_one_member(engine, prompts, seed, sigma, mini_batch_size) for seed in member_seeds]
+    group = group or members_per_call(engine, len(member_seeds), prompts)
     for first in range(0, len(member_seeds), group):
         seeds = member_seeds[first : first + group]
         with population_class(engine, seeds, sigma) as population:
@@ -270,14 +278,6 @@ def generate_population(
                     result.num_tokens.extend(part.num_tokens)
                     result.texts.extend(part.texts)
     return results
-
-
-def _one_member(engine, prompts: Sequence[str], seed: int, sigma: float, mini_batch_size: int | None) -> Generation:
-    engine.perturb(seed, sigma)
-    try:
-        return engine.generate(prompts, mini_batch_size)
-    finally:
-        engine.restore()
 
 
 # ------------------------------------------------------------------ self-check

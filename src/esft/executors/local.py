@@ -49,8 +49,9 @@ def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool
 
 
 class LocalExecutor:
-    """Evaluates members on a single in-process engine: one after another, or all in one batched
-    generate call (`population_batching`, low-rank noise: esft.engines.population)."""
+    """Evaluates members on a single in-process engine: one after another, or together in batched
+    generate calls (`population_batching`: esft.engines.population) where a call holds more than one
+    member's rows."""
 
     def __init__(self, engine: Engine, scorer: Scorer, sigma: float, population_batching: bool = False,
                  overlap_rewards: bool = True):
@@ -66,11 +67,13 @@ class LocalExecutor:
         """Perturb → generate → restore → score, for each member, on the same prompt batch."""
         rows, prompts = batch.rows, batch.prompts
         if self.population_batching:
-            from esft.engines.population import generate_population
+            from esft.engines.population import generate_population, members_per_call
 
-            generations = generate_population(self.engine, prompts, member_seeds, self.sigma)
-            return [self._result(seed, generation, self.scorer(rows, generation.texts, generation.token_ids))
-                    for seed, generation in zip(member_seeds, generations)]
+            group = members_per_call(self.engine, len(member_seeds), prompts)
+            if group > 1:  # else one member's prompts fill a call: the path below, weights in place, no copies
+                generations = generate_population(self.engine, prompts, member_seeds, self.sigma, group=group)
+                return [self._result(seed, generation, self.scorer(rows, generation.texts, generation.token_ids))
+                        for seed, generation in zip(member_seeds, generations)]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
             pending = []
             for seed in member_seeds:
