@@ -58,10 +58,10 @@ def main() -> None:
 
     import torch
 
-    from esft import strategy
-    from esft.batches import prompt_batch
+    from esft.es import strategy
+    from esft.es.batches import prompt_batch
     from esft.executors import LocalExecutor
-    from esft.rewards import RewardRunner
+    from esft.rewards.runner import RewardRunner
     from esft.tasks.countdown_task import make_countdown_task
 
     torch.set_num_threads(1)

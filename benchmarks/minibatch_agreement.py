@@ -18,8 +18,8 @@ import argparse
 
 import torch
 
-from esft import strategy
-from esft.batches import prompt_batch
+from esft.es import strategy
+from esft.es.batches import prompt_batch
 from esft.config import embedded_model_path
 from esft.engines.population import generate_population
 from esft.engines.transformers_engine import TransformersEngine

@@ -62,11 +62,11 @@ def main() -> None:
 
     import ray
 
-    from esft import strategy
+    from esft.es import strategy
     from esft.config import ESConfig
     from esft.executors.ray_executor import RayExecutor
     from esft.tasks.base import Task
-    from esft.batches import prompt_batch
+    from esft.es.batches import prompt_batch
     from tiny_model import build_tiny_model
     from toy_task import byte_reward, toy_rows
 

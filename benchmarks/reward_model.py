@@ -4,7 +4,7 @@
 
 Builds a Llama sequence-classification reward model from a config (no download; --hidden-size and
 --layers set its size), then scores the same completions, side by side in one run:
-1. in-process: esft.reward_models.RewardModel called on --request-size completions at a time (as
+1. in-process: esft.rewards.models.RewardModel called on --request-size completions at a time (as
    the trainer calls it: one ES member's batch per call), one forward pass per call;
 2. over HTTP, one client: esft.rewards.remote_reward against a server started here on loopback
    (same model), requests of --request-size completions, one at a time: the same forward passes,
@@ -82,7 +82,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    from esft.reward_models import RewardModel
+    from esft.rewards.models import RewardModel
     from esft.rewards import remote_reward
 
     directory = build_model(Path(tempfile.mkdtemp(prefix="esft-rm-bench-")), args.hidden_size, args.layers)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
-from esft.rewards import RewardRunner
+from esft.rewards.runner import RewardRunner
 
 
 def length_reward(prompts, completions, answer, **kwargs):

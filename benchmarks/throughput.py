@@ -64,9 +64,9 @@ class Bench:
 
         import esft.engines.transformers_engine as te
         from esft.executors import LocalExecutor
-        from esft.rewards import RewardRunner
+        from esft.rewards.runner import RewardRunner
         from esft.tasks.countdown_task import make_countdown_task
-        from esft.batches import prompt_batch
+        from esft.es.batches import prompt_batch
 
         self.args = args
         self.rss_libraries = sampler.rss()
@@ -133,7 +133,7 @@ class Bench:
     def iteration(self, path: str, iteration: int) -> dict:
         import numpy as np
 
-        from esft import strategy
+        from esft.es import strategy
 
         self.configure(path)
         self.timings.clear()
@@ -363,7 +363,7 @@ def slow_countdown_reward(prompts, completions, **columns):
 
 
 def _has_lowrank() -> bool:
-    from esft import noise
+    from esft.es import noise
 
     return "lowrank" in noise.NOISE_SCHEMES
 

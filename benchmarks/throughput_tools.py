@@ -110,7 +110,7 @@ class Instrumented:
 
     def __init__(self, engine, executor, timings: Timings):
         import esft.engines.transformers_engine as te
-        import esft.lowrank as lowrank
+        import esft.es.lowrank as lowrank
 
         self.engine, self.executor, self.timings = engine, executor, timings
         for module, name in ((te, "draw_noise"), (lowrank, "lowrank_factors")):

@@ -93,7 +93,7 @@ class EsftPath:
         from esft.engines.population import population_batching_problem
         from esft.engines.transformers_engine import TransformersEngine
         from esft.executors import LocalExecutor, resolve_population_batching
-        from esft.rewards import RewardRunner
+        from esft.rewards.runner import RewardRunner
         from esft.tasks.countdown import countdown_reward
 
         preset = name == "preset"
@@ -106,7 +106,7 @@ class EsftPath:
         self.alpha = args.sigma / 2
 
     def iteration(self, seeds, batch) -> list[float]:
-        from esft import strategy
+        from esft.es import strategy
 
         members = self.executor.evaluate_population(seeds, batch)
         _, coefficients = strategy.tell(strategy.ESState(0, 0), [m.reward for m in members], self.alpha)
@@ -136,8 +136,8 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from esft import strategy
-    from esft.batches import prompt_batch
+    from esft.es import strategy
+    from esft.es.batches import prompt_batch
     from esft.tasks.countdown import countdown_reward
     from esft.tasks.countdown_task import make_countdown_task
 

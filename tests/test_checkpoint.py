@@ -19,7 +19,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from esft.checkpoint import (
+from esft.runs.checkpoint import (
     MASTER_FILE,
     STATE_FILE,
     list_checkpoints,
@@ -28,7 +28,7 @@ from esft.checkpoint import (
 )
 from esft.cli import main
 from esft.config import ESConfig
-from esft.runs import ResumeError, find_resume_point
+from esft.runs.directory import ResumeError, find_resume_point
 from esft.tasks import TASKS, TaskError
 from tiny_model import build_tiny_model
 from toy_task import byte_reward, make_toy_task, toy_rows

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from esft.batches import prompt_batch
+from esft.es.batches import prompt_batch
 from esft.config import embedded_model_path
 from esft.engines import decoding
 from esft.engines.base import generation_from_tokens
@@ -115,7 +115,7 @@ def test_members_whose_prompts_fill_a_call_run_one_at_a_time_with_their_weights_
     executor evaluates them one at a time (no copies of the weights) and scores as the sequential path."""
     from esft.engines import fullrank_population, sizing
     from esft.executors import LocalExecutor
-    from esft.rewards import RewardRunner
+    from esft.rewards.runner import RewardRunner
     from esft.tasks.countdown import countdown_reward
 
     batch = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 12, 0)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from esft import strategy
+from esft.es import strategy
 from esft.engines.transformers_engine import TransformersEngine
-from esft.noise import NOISE_SCHEMES, draw_noise
+from esft.es.noise import NOISE_SCHEMES, draw_noise
 
 
 def load_engine(path, dtype=torch.float32, **kwargs) -> TransformersEngine:

@@ -15,7 +15,7 @@ from esft.cli import main
 from esft.engines.logprobs import KLScorer, k3
 from esft.engines.base import Generation
 from esft.evaluation import EvalSettings, evaluate_split, ks_for, pass_at_k
-from esft.rewards import RewardRunner
+from esft.rewards.runner import RewardRunner
 from tiny_model import build_tiny_model
 
 TINY = ["--population-size", "4", "--batch-size", "3", "--max-tokens", "6", "--eval-batch-size", "16",

@@ -113,7 +113,7 @@ def test_trl_tokenizes_prompts_as_esft_does(tmp_path, one_torch_thread):
     from transformers import AutoTokenizer
 
     from esft import GRPOBaseline
-    from esft.grpo_trl import build_trl_trainer
+    from esft.grpo.trl_trainer import build_trl_trainer
     from tiny_model import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model")

@@ -14,15 +14,15 @@ ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray execu
 from safetensors.torch import load_file  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
-from esft import strategy  # noqa: E402
+from esft.es import strategy  # noqa: E402
 from esft.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402
 from esft.executors.ray_executor import RayExecutor, ReplicaMismatch  # noqa: E402
-from esft.rewards import score  # noqa: E402
+from esft.rewards.runner import score  # noqa: E402
 from esft.tasks.base import Task  # noqa: E402
-from esft.batches import prompt_batch  # noqa: E402
+from esft.es.batches import prompt_batch  # noqa: E402
 from esft.trainer import ESTrainer  # noqa: E402
 
 SETTINGS = dict(population_size=8, batch_size=4, max_tokens=12, sigma=0.05, device="cpu", logging="none", progress=False)

@@ -18,7 +18,7 @@ import torch
 from esft.engines.base import NonFiniteWeights
 from esft.engines.transformers_engine import TransformersEngine
 import sandbox_rewards as R
-from esft.rewards import RewardRunner
+from esft.rewards.runner import RewardRunner
 from tiny_model import build_tiny_model
 
 TESTS = Path(__file__).parent
@@ -79,7 +79,7 @@ def test_parallel_runs_with_default_names_never_collide(lively_model_dir, tmp_pa
 
 def test_an_explicit_run_name_in_use_is_refused(lively_model_dir, tmp_path):
     from esft.config import ESConfig
-    from esft.runs import open_run
+    from esft.runs.directory import open_run
 
     held = open_run(ESConfig(output_dir=str(tmp_path), run_name="busy"))  # this process holds it
     try:
@@ -296,7 +296,7 @@ def starts_sleep_and_hangs(prompts, completions, **kwargs):
 
 def test_a_timed_out_reward_leaves_no_child_behind(tmp_path):
     (tmp_path / "hanging.py").write_text(HANGING_REWARD)
-    from esft.usercode import load_callable
+    from esft.rewards.usercode import load_callable
 
     os.environ["ESFT_TEST_PIDS"] = str(tmp_path / "pids")
     func = load_callable(f"{tmp_path / 'hanging.py'}:starts_sleep_and_hangs", "--reward-funcs")

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from esft.report import build_figures, write_report
-from esft.report_data import ReportError, load_run, load_runs
+from esft.runs.report import build_figures, write_report
+from esft.runs.report_data import ReportError, load_run, load_runs
 from test_cli import TINY, assert_user_error, esft
 
 TESTS = Path(__file__).parent

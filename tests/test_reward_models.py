@@ -15,8 +15,8 @@ from test_cli import assert_user_error, esft, read_jsonl
 from tiny_model import build_tiny_reward_model
 from esft.cli import resolve_config
 from esft.config import ConfigError, ESConfig
-from esft.reward_models import RewardModel, RewardModelError
-from esft.rewards import RewardRunner
+from esft.rewards.models import RewardModel, RewardModelError
+from esft.rewards.runner import RewardRunner
 from esft.tasks.base import PROMPT_SOURCE, TaskError
 from esft.tasks.custom import task_from_objects
 from esft.config import embedded_model_path

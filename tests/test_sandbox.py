@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import sandbox_rewards as R
-from esft.rewards import RewardRunner, score
-from esft.sandbox import WorkerPool
-from esft.usercode import ByReference, ByValue, ship
+from esft.rewards.runner import RewardRunner, score
+from esft.rewards.sandbox import WorkerPool
+from esft.rewards.usercode import ByReference, ByValue, ship
 from esft.tasks.countdown import countdown_reward
 
 TESTS = Path(__file__).parent
@@ -174,7 +174,7 @@ def test_closures_run_in_workers_and_only_the_unpicklable_run_in_process(runner,
 # ---------------------------------------------------------------- a run that continues
 def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
     """One function crashes or hangs on some iterations while another scores: the run goes on."""
-    order = np.random.default_rng([0, 1, 0]).permutation(4)  # the first epoch's order (esft.batches)
+    order = np.random.default_rng([0, 1, 0]).permutation(4)  # the first epoch's order (esft.es.batches)
     prompts = [""] * 4
     for position, prompt in zip(order, ["a", "CRASH me", "HANG me", "b"]):  # iterations 1..4 see them in turn
         prompts[position] = prompt

@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 from test_cli import esft, read_jsonl
-from esft.reward_models import RewardModel
-from esft.rewards import RewardRunner, RewardServiceError, remote_reward
+from esft.rewards.models import RewardModel
+from esft.rewards.remote import RewardServiceError, remote_reward
+from esft.rewards.runner import RewardRunner
 
 KEY = "test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -166,7 +167,7 @@ def test_a_failing_forward_pass_is_a_500_with_a_message_and_the_server_goes_on(t
     token 100+), served by the real app through starlette's in-process client."""
     from fastapi.testclient import TestClient
 
-    from esft.serve import create_app
+    from esft.rewards.serve import create_app
     from tiny_model import build_tiny_reward_model
 
     broken = RewardModel(str(build_tiny_reward_model(tmp_path)))

@@ -15,8 +15,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from esft import strategy
-from esft.batches import PromptBatch
+from esft.es import strategy
+from esft.es.batches import PromptBatch
 from esft.config import ConfigError, ESConfig
 from esft.engines.fullrank_population import FullRankPopulation
 from esft.engines.population import (
@@ -28,8 +28,8 @@ from esft.engines.population import (
 )
 from esft.engines.transformers_engine import TransformersEngine
 from esft.executors import LocalExecutor
-from esft.noise import draw_noise, lowrank_factors, perturbs
-from esft.rewards import RewardRunner
+from esft.es.noise import draw_noise, lowrank_factors, perturbs
+from esft.rewards.runner import RewardRunner
 from tiny_model import build_tiny_model, build_tokenizer
 from toy_task import byte_reward, toy_rows
 

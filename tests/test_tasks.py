@@ -19,8 +19,8 @@ import pytest
 import sandbox_rewards as R
 from esft.cli import main
 from esft.config import ESConfig
-from esft.rewards import RewardRunner
-from esft.usercode import ByReference as FuncRef
+from esft.rewards.runner import RewardRunner
+from esft.rewards.usercode import ByReference as FuncRef
 from esft.tasks import TASKS
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
 from esft.tasks.conciseness import EVAL_PAIRS, TRAIN_PAIRS, conciseness_reward, make_conciseness_task
@@ -192,7 +192,7 @@ def test_rewards_receive_the_generated_completion_ids(tiny_model_dir, batched):
     training members (one at a time and population-batched) and for evaluation."""
     from esft.engines.transformers_engine import TransformersEngine
     from esft.evaluation import EvalSettings, evaluate_split
-    from esft.batches import PromptBatch
+    from esft.es.batches import PromptBatch
     from esft.executors import LocalExecutor
     from esft.tasks.custom import check_reward_func
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from esft.rewards import RewardRunner
-from esft.usercode import ByReference, ByValue
+from esft.rewards.runner import RewardRunner
+from esft.rewards.usercode import ByReference, ByValue
 
 ROOT = Path(__file__).parents[1]
 ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(3)]

@@ -19,14 +19,14 @@ from tiny_model import build_tiny_model  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from esft import strategy
-from esft.batches import PromptBatch  # noqa: E402
+from esft.es import strategy
+from esft.es.batches import PromptBatch  # noqa: E402
 from esft.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402
-from esft.noise import draw_noise  # noqa: E402
-from esft.rewards import score  # noqa: E402
+from esft.es.noise import draw_noise  # noqa: E402
+from esft.rewards.runner import score  # noqa: E402
 
 MAX_TOKENS = 8
 PROMPTS = ["Q1: 1 + 1 =", "abc", "a somewhat longer prompt here", "x"]

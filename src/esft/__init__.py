@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return ESTrainer
     if name == "GRPOBaseline":  # TRL's GRPOTrainer behind ESTrainer's interface (pip install 'esft[grpo]')
-        from esft.grpo import GRPOBaseline
+        from esft.grpo.baseline import GRPOBaseline
 
         return GRPOBaseline
     raise AttributeError(name)

@@ -1,6 +1,6 @@
 """`esft train` / `esft eval`: every ESConfig field is a kebab-case flag; `--config run.yaml` sets
 any of them (flags override). `esft report RUN_DIR...`: a run's (or several runs') curves as an HTML
-page (esft.report). User errors print one line and exit with code 2."""
+page (esft.runs.report). User errors print one line and exit with code 2."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def _add_report_parser(commands) -> None:
 
 def run_report(run_dirs: list[str], out: str | None) -> int:
     """`esft report`: write the page and print where it is; a directory that is not a run is a user error."""
-    from esft.report import ReportError, write_report
+    from esft.runs.report import ReportError, write_report
 
     try:
         print(f"report: {write_report(run_dirs, out)}")
@@ -130,8 +130,8 @@ def run_report(run_dirs: list[str], out: str | None) -> int:
 
 
 def _add_serve_reward(commands) -> None:
-    """`esft serve-reward`: esft.serve's settings (README "Reward models")."""
-    from esft.reward_models import DTYPE_NAMES
+    """`esft serve-reward`: esft.rewards.serve's settings (README "Reward models")."""
+    from esft.rewards.models import DTYPE_NAMES
 
     sub = commands.add_parser("serve-reward", help="Serve a reward model over HTTP (pip install 'esft[serve]').",
                               description="Serve a sequence-classification reward model over HTTP: POST /score, POST "
@@ -223,7 +223,7 @@ def _one_line(text: str) -> str:
 
 def _run_settings_of(model: str) -> tuple[dict[str, Any], Path] | None:
     """The settings of the run whose checkpoint or final directory `model` is, if it is one."""
-    from esft.checkpoint import CheckpointError, is_checkpoint, read_state
+    from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
 
     path = Path(model).expanduser()
     if not is_checkpoint(path):
@@ -240,7 +240,7 @@ def _run_settings_of(model: str) -> tuple[dict[str, Any], Path] | None:
 def resolve_config(command: str, given: dict[str, Any]):
     """checkpoint's config (when resuming; for eval: the evaluated run's) < --config YAML < flags.
     Returns (ESConfig, the demo preset's settings that `train` added, the ResumePoint or None)."""
-    from esft.runs import ResumeError, find_resume_point
+    from esft.runs.directory import ResumeError, find_resume_point
 
     settings: dict[str, Any] = {}
     yaml_path = given.pop("config", None)
@@ -306,10 +306,10 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
 
 def _serve_reward(settings: dict[str, Any]) -> int:
     try:
-        from esft.serve import serve
+        from esft.rewards.serve import serve
     except ImportError as error:
         raise UserError(f"esft serve-reward needs FastAPI and uvicorn ({error}): pip install 'esft[serve]'") from None
-    from esft.reward_models import RewardModelError
+    from esft.rewards.models import RewardModelError
 
     try:
         serve(**settings)
@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         return run_report(args.run_dirs, args.out)
     given = {k: v for k, v in vars(args).items() if k != "command"}
-    from esft.checkpoint import CheckpointError
+    from esft.runs.checkpoint import CheckpointError
     from esft.engines.base import NonFiniteWeights
-    from esft.rewards import RewardError
+    from esft.rewards.runner import RewardError
     from esft.tasks.base import TaskError
 
     run = trainer = None
@@ -333,13 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve-reward":
             return _serve_reward(given)
         config, preset, point = resolve_config(args.command, given)
-        from esft.runs import open_run
+        from esft.runs.directory import open_run
         from esft.trainer import ESTrainer
 
         try:
             run = open_run(config, point)  # claimed before the model loads: a busy directory fails fast
             if config.algorithm == "grpo":  # TRL's GRPOTrainer behind ESTrainer's interface (README "GRPO baseline")
-                from esft.grpo import GRPOBaseline
+                from esft.grpo.baseline import GRPOBaseline
 
                 trainer = GRPOBaseline(args=config, run=run)
             else:

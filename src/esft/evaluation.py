@@ -21,7 +21,7 @@ from typing import Any
 
 from esft.engines.base import Sampling
 from esft.files import write_text_atomic
-from esft.rewards import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
+from esft.rewards.runner import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
 from esft.tasks.base import Task
 
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from esft import strategy
-from esft.batches import prompt_batch
-from esft.checkpoint import load_master, prune_checkpoints, save_checkpoint
+from esft.es import strategy
+from esft.es.batches import prompt_batch
+from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ESConfig, model_path
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
@@ -21,10 +21,10 @@ from esft.engines.lora import export_merged, uses_adapter
 from esft.evaluation import EvalSettings, evaluate_task
 from esft.executors import build_executor
 from esft.files import make_temporary_dir
-from esft.metrics import MetricsLogger, check_backend
-from esft.report import report_after_training
-from esft.rewards import RewardError, Scores, failing_everywhere, mean_of, reward_runners
-from esft.runs import RunDir, find_resume_point, open_run
+from esft.runs.metrics import MetricsLogger, check_backend
+from esft.runs.report import report_after_training
+from esft.rewards.runner import RewardError, Scores, failing_everywhere, mean_of, reward_runners
+from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
@@ -38,7 +38,7 @@ class ESTrainer:
     are TRL-style `f(prompts, completions, **columns) -> list[float | None]` (any callable: defined in
     a script, a notebook cell, a lambda...); datasets are rows with a `prompt` column. Without reward
     functions and datasets, `args.task` supplies them. `run` is a run directory already claimed with
-    esft.runs.open_run (the CLI claims it before the model loads); by default train() claims one.
+    esft.runs.directory.open_run (the CLI claims it before the model loads); by default train() claims one.
     """
 
     def __init__(
@@ -78,7 +78,7 @@ class ESTrainer:
         self._budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
         self._logger: MetricsLogger | None = None
         self._progress: Any = None
-        self.report_path: Path | None = None  # report.html, written by train() (esft.report)
+        self.report_path: Path | None = None  # report.html, written by train() (esft.runs.report)
 
     @property
     def run_dir(self) -> Path | None:
@@ -86,7 +86,7 @@ class ESTrainer:
         return self.run.path if self.run is not None else None
 
     def _build_engine(self, model: Any, processing_class: Any):
-        """The engine (built after the task and its data are checked; esft.grpo builds another)."""
+        """The engine (built after the task and its data are checked; esft.grpo.baseline builds another)."""
         return build_engine(self.args, model, processing_class)
 
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
@@ -129,7 +129,7 @@ class ESTrainer:
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
         """Run ES for `args.iterations` updates (evaluating before and after); returns the last
         metrics, with the run's reward failure counts. Resumes from `resume_from_checkpoint` (or
-        --resume): a checkpoint, or a run directory (esft.runs.find_resume_point). Then writes
+        --resume): a checkpoint, or a run directory (esft.runs.directory.find_resume_point). Then writes
         `report.html` into the run directory (`self.report_path`), also when the run is interrupted
         or stops with an error after it started logging."""
         args = self.args

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from esft.engines.population import MemberRows, PopulationBatchingError, _add_rows
-from esft.noise import draw_noise
+from esft.es.noise import draw_noise
 
 
 class AdapterPopulation(MemberRows):

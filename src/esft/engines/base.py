@@ -93,7 +93,7 @@ class Engine(Protocol):
     Weights: the engine keeps a float32 *master* of every trainable tensor, the source of truth.
     Trainable tensors are numbered by their position in the Hugging Face model's
     `named_parameters()`: noise of tensor k of a member is a function of (member seed, k) alone, so
-    every engine perturbs alike (esft.noise)."""
+    every engine perturbs alike (esft.es.noise)."""
 
     tokenizer: Any
     """The model's Hugging Face tokenizer (prompts are rendered and checked with it)."""

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from esft.engines.population import MemberRows, PopulationBatchingError
-from esft.noise import perturbs
+from esft.es.noise import perturbs
 
 
 WAY_OUT = ("; exclude its tensors from ES with --trainable (a regex without them) or evaluate members one at a "

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from esft.config import EMBEDDED_MODEL, ConfigError, ESConfig, embedded_model_path, model_path, split_list
 from esft.config_rules import is_adapter_dir
 from esft.engines.base import NoTrainableParameters, resolve_device, torch_dtype
-from esft.noise import LOW_RANK_SCHEMES
+from esft.es.noise import LOW_RANK_SCHEMES
 
 if TYPE_CHECKING:  # torch and the engine load only when LoRA is used: the trainer imports this module
     import torch

@@ -1,6 +1,6 @@
 """Population batching (--population-batching): every ES member in ONE batched generate call.
 
-With low-rank noise (esft.noise `lowrank`), member m's weights are W + σ·A_m·B_mᵀ/√r for every
+With low-rank noise (esft.es.noise `lowrank`), member m's weights are W + σ·A_m·B_mᵀ/√r for every
 perturbed matrix W. The model keeps its unperturbed weights; forward hooks add each member's
 low-rank term to that member's rows, so the dense product with W (the expensive part) is computed
 once for the whole population:
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 
 from esft.engines.base import Generation, generation_from_tokens
-from esft.lowrank import stacked_factors
-from esft.noise import LOW_RANK_SCHEMES, perturbs
+from esft.es.lowrank import stacked_factors
+from esft.es.noise import LOW_RANK_SCHEMES, perturbs
 
 
 class PopulationBatchingError(ValueError):

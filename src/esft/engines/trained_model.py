@@ -1,4 +1,4 @@
-"""An engine over a model that another trainer (TRL's GRPOTrainer, esft.grpo) updates in place.
+"""An engine over a model that another trainer (TRL's GRPOTrainer, esft.grpo.baseline) updates in place.
 
 Text comes from esft's own TransformersEngine.generate, so evaluations decode exactly as ES's and
 `esft eval`'s do (greedy by default, the model's generation_config kept out of it). The weights are
@@ -77,15 +77,15 @@ class TrainedModelEngine:
     # ---------------------------------------------------------------- weights
     def perturb(self, member_seed: int, sigma: float) -> None:
         """Not available: the weights are trained by gradient steps, not perturbed."""
-        raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo), not by ES")
+        raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo.baseline), not by ES")
 
     def restore(self) -> None:
         """Not available (nothing is ever perturbed)."""
-        raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo), not by ES")
+        raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo.baseline), not by ES")
 
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
         """Not available: updates are the gradient trainer's."""
-        raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo), not by ES")
+        raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo.baseline), not by ES")
 
     def checksum(self) -> str:
         """A digest of the trainable parameters (as float32): equal digests mean identical weights."""

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from esft import lowrank
+from esft.es import lowrank
 from esft.engines.decoding import decode_greedy
 from esft.engines.base import (
     Generation,
@@ -27,7 +27,7 @@ from esft.engines.base import (
     resolve_device,
     torch_dtype,
 )
-from esft.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
+from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 
 class TransformersEngine:
     """Holds one transformers model; member evaluation = perturb → generate → restore."""
@@ -158,7 +158,7 @@ class TransformersEngine:
 
         Per tensor the noise of every member is regenerated and accumulated before one add, as in
         the reference; nothing of the population's noise is ever held at once. Low-rank noise: one
-        matmul of the members' concatenated factors per matrix (esft.lowrank.accumulate_update).
+        matmul of the members' concatenated factors per matrix (esft.es.lowrank.accumulate_update).
         The weights θ are written only once every new master tensor is known to be finite (also
         after rounding to the model dtype): otherwise NonFiniteWeights, and the master is put back
         from θ (exact in float32; in bfloat16/float16 the master then holds θ's rounded values).

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 
 import torch
 
-from esft.noise import draw_noise
+from esft.es.noise import draw_noise
 
 # ------------------------------------------------------------ CPU GEMM dispatch
 _PACKED_LAYERS: list[torch.nn.Module] = []

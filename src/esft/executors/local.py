@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from esft.batches import PromptBatch
+from esft.es.batches import PromptBatch
 from esft.config import ConfigError
 from esft.engines.base import Engine, Generation, Sampling
-from esft.rewards import Scores
+from esft.rewards.runner import Scores
 
 Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str], Sequence[Sequence[int]]], Scores]
 """scorer(rows, completions, completion_ids) -> Scores (RewardRunner.score)."""

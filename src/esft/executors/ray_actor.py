@@ -11,10 +11,10 @@ from pathlib import Path
 
 import ray
 
-from esft.batches import PromptBatch, prompt_batch
+from esft.es.batches import PromptBatch, prompt_batch
 from esft.config import ESConfig
 from esft.executors.local import LocalExecutor, MemberResult
-from esft.rewards import reward_runners
+from esft.rewards.runner import reward_runners
 
 
 class ESActor:
@@ -38,7 +38,7 @@ class ESActor:
 
     def set_task(self, task, population_batching: bool) -> None:
         """Hold the task (datasets, reward functions) and score exactly as the trainer does, through
-        the same reward runners (esft.rewards.reward_runners); members batched as the driver resolved
+        the same reward runners (esft.rewards.runner.reward_runners); members batched as the driver resolved
         --population-batching (esft.executors.local.resolve_population_batching)."""
         self.task, self._batch = task, None
         self.rewards, _ = reward_runners(task, self.args)
@@ -52,7 +52,7 @@ class ESActor:
     def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None = None) -> list[MemberResult]:
         """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
         a time, or batched with --population-batching), on the iteration's prompt batch: rebuilt here
-        from the task's train set (esft.batches.prompt_batch) unless `rows` are given."""
+        from the task's train set (esft.es.batches.prompt_batch) unless `rows` are given."""
         if rows is not None:
             batch = PromptBatch(iteration, rows)
         else:

@@ -27,7 +27,7 @@ from typing import Any
 
 import ray
 
-from esft.batches import PromptBatch, prompt_batch
+from esft.es.batches import PromptBatch, prompt_batch
 from esft.config import ConfigError, ESConfig, model_path
 from esft.engines.base import Generation, NonFiniteWeights, Sampling
 from esft.executors.local import MemberResult, resolve_population_batching
@@ -124,7 +124,7 @@ class RayExecutor:
     def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch) -> list[MemberResult]:
         """Every member once, on whichever actor is free; a dead actor's members are re-run elsewhere.
         The unit of work is one member, or with --population-batching an equal share per actor. Only
-        the iteration goes out when the actors can rebuild the batch (esft.batches.prompt_batch)."""
+        the iteration goes out when the actors can rebuild the batch (esft.es.batches.prompt_batch)."""
         self._ship_task()
         expected = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch.iteration)
         payload = None if expected.rows == batch.rows else list(batch.rows)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from esft.rewards import PROMPT_SOURCE, PROVIDED_ARGUMENTS, TRUSTED_ATTRIBUTE, RewardFunc, trusted_reward
+from esft.rewards.runner import PROMPT_SOURCE, PROVIDED_ARGUMENTS, TRUSTED_ATTRIBUTE, RewardFunc, trusted_reward
 
 __all__ = ["PROMPT_SOURCE", "PROVIDED_ARGUMENTS", "TRUSTED_ATTRIBUTE", "RewardFunc", "Task", "TaskError", "trusted_reward"]
 

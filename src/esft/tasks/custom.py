@@ -13,14 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from esft import usercode
+from esft.rewards import usercode
 from esft.config_rules import split_list
-from esft.remote_reward import RewardServiceError, remote_reward
-from esft.reward_models import RewardModel, RewardModelError
-from esft.rewards import PROVIDED_ARGUMENTS, reward_name
+from esft.rewards.remote import RewardServiceError, remote_reward
+from esft.rewards.models import RewardModel, RewardModelError
+from esft.rewards.runner import PROVIDED_ARGUMENTS, reward_name
 from esft.tasks.base import Task, TaskError
 from esft.tasks.loading import apply_template, check_rows, common_columns, load_splits, train_split
-from esft.usercode import describe
+from esft.rewards.usercode import describe
 
 # The arguments a task factory may take (it receives those it names, or all with **kwargs).
 FACTORY_SETTINGS = ("train_data", "eval_data", "seed", "difficulty", "train_size", "eval_size")
@@ -32,7 +32,7 @@ def is_spec(value: str) -> bool:
 
 
 def load_callable(spec: str, option: str) -> Callable:
-    """The function named by "module:function" or "path/to/file.py:function" (esft.usercode), with
+    """The function named by "module:function" or "path/to/file.py:function" (esft.rewards.usercode), with
     a TaskError naming `option` when it cannot be loaded."""
     try:
         return usercode.load_callable(spec, option)

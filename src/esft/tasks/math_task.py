@@ -20,10 +20,10 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from esft.sandbox import WorkerPool
+from esft.rewards.sandbox import WorkerPool
 from esft.tasks.base import Task, TaskError, trusted_reward
 from esft.tasks.math_grading import gold_answers
-from esft.usercode import ByReference
+from esft.rewards.usercode import ByReference
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 CHECK_TIMEOUT = 2.0

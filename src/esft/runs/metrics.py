@@ -44,7 +44,7 @@ class MetricsLogger:
 
     def last_budget(self) -> dict[str, float]:
         """The `budget/*` totals of the last row already logged (a resumed run counts on from them;
-        esft.runs has set aside the rows after the resume point)."""
+        esft.runs.directory has set aside the rows after the resume point)."""
         budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
         if self.path.exists():
             for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():

@@ -18,7 +18,7 @@ from pathlib import Path
 from statistics import median
 from typing import TYPE_CHECKING, Any
 
-from esft.report_data import (
+from esft.runs.report_data import (
     BUDGET_KINDS,
     ReportError,
     Run,

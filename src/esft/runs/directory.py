@@ -5,7 +5,7 @@
   random suffix, so parallel sweeps never collide; an explicit name that is in use, or that already
   holds a run, is refused (ConfigError: exit 2 in the CLI).
 - `find_resume_point(path)` is the one place a resume is resolved: a `checkpoint-<N>` directory, or
-  the newest checkpoint of a run directory that verifies (esft.checkpoint.verify: every file matches
+  the newest checkpoint of a run directory that verifies (esft.runs.checkpoint.verify: every file matches
   its recorded digest), saying which ones it passed over. A run killed before its first checkpoint
   resumes from the start with its own settings.
 - `open_run(args, resume_point)` claims the directory. Resuming at iteration N sets aside what the
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.checkpoint import STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state, verify
+from esft.runs.checkpoint import STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state, verify
 from esft.config import ConfigError, ESConfig
 from esft.files import write_text_atomic
-from esft.metrics import METRICS_FILE
+from esft.runs.metrics import METRICS_FILE
 
 LOCK_FILE = ".esft.lock"
 CONFIG_FILE = "config.yaml"

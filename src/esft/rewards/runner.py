@@ -11,7 +11,7 @@ Several functions are combined as a weighted sum per sample. A function's `None`
 left out of the member's mean; a member none of whose samples was scored gets `failure_reward`.
 Failures are not scores: NaN/inf, a non-number, an exception, a timeout or a crashed worker give
 that function's value for the sample(s) `failure_reward` (default 0), counted in `errors`/`timeouts`.
-User functions run in sandbox worker processes (esft.sandbox, shipped by esft.usercode); trusted
+User functions run in sandbox worker processes (esft.rewards.sandbox, shipped by esft.rewards.usercode); trusted
 built-ins run in-process. A round of scoring in which a function failed on every sample is what
 `failing_everywhere` finds; the trainer then stops with a RewardError (README: the reward sandbox).
 """
@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from esft.reward_values import TRUSTED_ATTRIBUTE, RewardCall, call_reward, trusted_reward
-from esft.sandbox import Outcome, WorkerPool
-from esft.usercode import ByReference, NotShippable, describe, ship
+from esft.rewards.values import TRUSTED_ATTRIBUTE, RewardCall, call_reward, trusted_reward
+from esft.rewards.sandbox import Outcome, WorkerPool
+from esft.rewards.usercode import ByReference, NotShippable, describe, ship
 
 logger = logging.getLogger("esft")
 
@@ -146,7 +146,7 @@ def is_trusted(func: RewardFunc) -> bool:
     return bool(getattr(func, TRUSTED_ATTRIBUTE, False))
 
 
-_CALL_REWARD = ByReference("esft.reward_values", "call_reward")
+_CALL_REWARD = ByReference("esft.rewards.values", "call_reward")
 
 
 def reward_runners(task: Any, args: Any) -> tuple[RewardRunner, RewardRunner | None]:
@@ -165,7 +165,7 @@ def reward_runners(task: Any, args: Any) -> tuple[RewardRunner, RewardRunner | N
 
 class RewardRunner:
     """Scores batches with reward functions: untrusted ones in a sandbox WorkerPool (one call per
-    function per batch, with `timeout`; shipped by reference or by value, esft.usercode.ship),
+    function per batch, with `timeout`; shipped by reference or by value, esft.rewards.usercode.ship),
     trusted ones in-process, as is everything with sandbox=False. A callable that cannot be pickled
     at all also runs in-process, said in one warning. Each kind of failure of each function is
     logged once."""
@@ -192,7 +192,7 @@ class RewardRunner:
         self.workers = workers
         self.accepted = [accepted_kwargs(func) for func in self.funcs]
         self.shipped: list[Any] = []
-        """Per function: how it reaches the sandbox (esft.usercode Shipped), None = runs in-process."""
+        """Per function: how it reaches the sandbox (esft.rewards.usercode Shipped), None = runs in-process."""
         for func, name in zip(self.funcs, self.names):
             shipped = None
             if sandbox and not is_trusted(func):
@@ -284,7 +284,3 @@ class RewardRunner:
         if self.pool is not None:
             self.pool.close()
             self.pool = None
-
-
-# Reward services over HTTP (esft.remote_reward), importable as esft.rewards.remote_reward.
-from esft.remote_reward import RemoteReward, RewardServiceError, remote_reward  # noqa: E402

@@ -16,7 +16,7 @@ What is esft's and what is TRL's:
 - esft's callback writes one metrics.jsonl row per optimizer step (the ES keys, reward statistics
   over the step's completions, budget/*, and TRL's grpo/loss, grpo/kl, ...), evaluates, saves
   checkpoints and stops at --budget-completions/--budget-tokens.
-- Checkpoints (esft.grpo_trl): `checkpoint-N/` and `final/` hold the model files, esft's
+- Checkpoints (esft.grpo.trl_trainer): `checkpoint-N/` and `final/` hold the model files, esft's
   trainer_state.json and `trl/`, TRL's own checkpoint (HF Trainer's trainer_state.json, optimizer,
   LR scheduler, RNG states); --resume continues with TRL's resume_from_checkpoint from `trl/`.
 """
@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from esft import strategy
-from esft.checkpoint import CheckpointError, save_checkpoint
+from esft.es import strategy
+from esft.runs.checkpoint import CheckpointError, save_checkpoint
 from esft.config import ConfigError, ESConfig, model_path
 from esft.engines import check_device, loading_errors
 from esft.engines.trained_model import TrainedModelEngine
-from esft.grpo_trl import ROW_COLUMN, STAGING_DIR, TRL_DIR, TRLCheckpointFiles, build_trl_trainer, require_trl
-from esft.rewards import RewardFunc, Scores
+from esft.grpo.trl_trainer import ROW_COLUMN, STAGING_DIR, TRL_DIR, TRLCheckpointFiles, build_trl_trainer, require_trl
+from esft.rewards.runner import RewardFunc, Scores
 from esft.trainer import ESTrainer, budget_spent, iteration_row
 
 TRL_METRICS = ("loss", "grad_norm", "learning_rate", "kl", "entropy")
@@ -122,7 +122,7 @@ class GRPOBaseline(ESTrainer):
         self._pending.append((values, scores, sum(len(ids) for ids in completion_ids)))
         return values
 
-    # called by esft.grpo_trl.StepCallback around each optimizer step
+    # called by esft.grpo.trl_trainer.StepCallback around each optimizer step
     def step_began(self) -> None:
         """An optimizer step starts (its time counts in budget/seconds; evaluations do not)."""
         self._step_started = time.perf_counter()

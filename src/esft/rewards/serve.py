@@ -2,7 +2,7 @@
 
 Endpoints (JSON; with --api-key-env every request needs `Authorization: Bearer <key>`, else 401):
 - `POST /score` `{"prompts": [...], "completions": [...]}` → `{"rewards": [...]}`: prompts and
-  completions are strings or chat messages, scored exactly as esft.reward_models.RewardModel scores
+  completions are strings or chat messages, scored exactly as esft.rewards.models.RewardModel scores
   them in-process (what esft.rewards.remote_reward and `--reward-url` send).
 - `POST /get_reward` `{"query": [...], "prompts": [...], "labels": [...]}` → `{"rewards": [...],
   "scores": [...]}`: OpenRLHF's remote reward model protocol (`--remote_rm_url`); each query is the
@@ -37,9 +37,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from esft.config import ConfigError
-from esft.reward_models import RewardModel, device_problem
+from esft.rewards.models import RewardModel, device_problem
 
-logger = logging.getLogger("esft.serve")
+logger = logging.getLogger("esft.rewards.serve")
 
 
 class Message(BaseModel):

@@ -1,4 +1,4 @@
-"""Reward functions answered by an HTTP reward service: `esft serve-reward` (esft.serve), or any
+"""Reward functions answered by an HTTP reward service: `esft serve-reward` (esft.rewards.serve), or any
 server that answers `POST /score {"prompts": [...], "completions": [...]}` with `{"rewards": [...]}`.
 
 `remote_reward(url)` is a TRL-style reward function, trusted (it runs in the trainer process: an HTTP
@@ -24,7 +24,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from esft.config_rules import url_problem
-from esft.reward_values import TRUSTED_ATTRIBUTE
+from esft.rewards.values import TRUSTED_ATTRIBUTE
 
 API_KEY_ENV = "ESFT_REWARD_API_KEY"
 """Environment variable holding the API key sent as `Authorization: Bearer <key>` when none is given."""

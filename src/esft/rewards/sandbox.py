@@ -3,7 +3,7 @@
 A `WorkerPool` keeps up to `workers` long-lived processes (forkserver context on Linux, spawn
 elsewhere: never a fork of the torch-laden trainer, and never a re-run of the user's main program).
 Each job is one call `target(*args, **kwargs)` with a deadline; targets and callables among the
-arguments are `esft.usercode` Shipped values (by reference, or cloudpickled by value: sent once per
+arguments are `esft.rewards.usercode` Shipped values (by reference, or cloudpickled by value: sent once per
 worker, then named by key). A job that raises comes back as an error (with the traceback lines in
 the user's code); one that passes its deadline has its worker's whole process group killed
 (SIGKILL: children it started die too); one whose worker dies (os._exit, a segfault, the kernel's
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
-from esft.usercode import ByValue, describe, resolve, user_traceback, worker_sys_path
+from esft.rewards.usercode import ByValue, describe, resolve, user_traceback, worker_sys_path
 
 STARTUP_TIMEOUT = 120.0
 """Seconds a new worker may take to start and import `preload` (not counted against job timeouts)."""

@@ -4,14 +4,14 @@ A reward function returns one value per completion: a number, or None ("no score
 Everything else is a failure of that sample: NaN/inf, a non-number, a raised exception; a return
 value that is not a sequence of the right length fails the batch call, which is then retried sample
 by sample, so one bad completion costs only its own score. `call_reward` runs in a sandbox worker
-(esft.sandbox) or in-process (trusted built-ins, --no-reward-sandbox) alike.
+(esft.rewards.sandbox) or in-process (trusted built-ins, --no-reward-sandbox) alike.
 """
 
 from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from esft.usercode import describe, resolve, user_traceback
+from esft.rewards.usercode import describe, resolve, user_traceback
 
 TRUSTED_ATTRIBUTE = "__esft_trusted__"
 
@@ -69,7 +69,7 @@ def _short(value: Any) -> str:
 
 
 def call_reward(func: Any, kwargs: dict[str, list], n: int) -> RewardCall:
-    """Run a reward function (a callable or an esft.usercode Shipped) on a batch: `func(**kwargs)`,
+    """Run a reward function (a callable or an esft.rewards.usercode Shipped) on a batch: `func(**kwargs)`,
     every kwarg a list of n items. A failed batch call is retried sample by sample."""
     func = resolve(func)
     try:

@@ -1,5 +1,5 @@
 """Low-rank (EGGROLL-style) perturbations and updates of one matrix; the noise itself is defined in
-esft.noise (`lowrank`: ε = A·Bᵀ/√r, A and B regenerated from the member seed and tensor index).
+esft.es.noise (`lowrank`: ε = A·Bᵀ/√r, A and B regenerated from the member seed and tensor index).
 
 Nothing here ever forms a member's dense noise on its own: a perturbed matrix is one addmm on the
 float32 master, and the update (α/N)·Σᵢ zᵢ·AᵢBᵢᵀ/√r of a matrix is ONE matmul of the concatenated
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from esft.noise import lowrank_factors
+from esft.es.noise import lowrank_factors
 
 
 def perturbed_matrix(

@@ -8,7 +8,7 @@ prompt + completion messages rendered with the reward model's own chat template 
 when it has none); text prompts are concatenated with their completion. Texts are tokenized without
 special tokens, right-padded, truncated from the left to the model's context (the end of a
 completion is what it scores), and scored in batches of `batch_size`, similar lengths together.
-`esft serve-reward` (esft.serve) serves the same scorer over HTTP.
+`esft serve-reward` (esft.rewards.serve) serves the same scorer over HTTP.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 from esft.chat import chatml, is_messages
 from esft.engines.base import resolve_device, torch_dtype
-from esft.reward_values import TRUSTED_ATTRIBUTE
+from esft.rewards.values import TRUSTED_ATTRIBUTE
 
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?|mps"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")

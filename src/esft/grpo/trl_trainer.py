@@ -1,4 +1,4 @@
-"""The TRL side of `--algorithm grpo` (esft.grpo): importing TRL, its GRPOConfig and GRPOTrainer
+"""The TRL side of `--algorithm grpo` (esft.grpo.baseline): importing TRL, its GRPOConfig and GRPOTrainer
 built from an ESConfig, the callback that hands every optimizer step to esft, and TRL's
 checkpoints inside esft's."""
 
@@ -70,7 +70,7 @@ def grpo_config(args: ESConfig, output_dir: Path):
 
 
 def build_trl_trainer(owner: Any, output_dir: Path, reward) -> Any:
-    """TRL's GRPOTrainer on `owner`'s (an esft.grpo.GRPOBaseline) model, tokenizer and training rows,
+    """TRL's GRPOTrainer on `owner`'s (an esft.grpo.baseline.GRPOBaseline) model, tokenizer and training rows,
     with `reward` as its one reward function and a StepCallback reporting to `owner`."""
     from datasets import Dataset
     from transformers import PrinterCallback, ProgressCallback
@@ -125,7 +125,7 @@ class StepCallback(TrainerCallback):
 
 
 class TRLCheckpointFiles:
-    """What esft.checkpoint.save_checkpoint writes for a GRPO checkpoint: TRL's checkpoint directory
+    """What esft.runs.checkpoint.save_checkpoint writes for a GRPO checkpoint: TRL's checkpoint directory
     as `trl/`, and its model and tokenizer files beside it (hard links: one copy of the weights on
     disk), so the checkpoint loads with from_pretrained."""
 

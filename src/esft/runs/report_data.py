@@ -1,5 +1,5 @@
 """What `esft report` plots, read from run directories: settings (config.yaml), metric rows
-(metrics.jsonl) and the series derived from them. No matplotlib here (esft.report draws).
+(metrics.jsonl) and the series derived from them. No matplotlib here (esft.runs.report draws).
 
 metrics.jsonl is read the way a killed or resumed run leaves it: torn or non-JSON lines are skipped
 (and counted), a repeated iteration keeps its last row, null (a NaN the logger wrote) is NaN."""
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.metrics import METRICS_FILE
+from esft.runs.metrics import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
 # Bookkeeping settings: they never make two runs' curves differ, so they are not "settings that differ".
