@@ -44,6 +44,8 @@ FORBIDDEN = {
                               "esft.evaluation"),
     "esft.config": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
                     "esft.runs", "esft.grpo", "esft.es"),
+    "esft.config_fields": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
+                           "esft.runs", "esft.grpo", "esft.es", "esft.config"),
     "esft.config_rules": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
                           "esft.runs", "esft.grpo", "esft.es", "esft.config"),
 }

