@@ -52,7 +52,7 @@ MB = 2**20
 
 # -------------------------------------------------------------------- model
 def build_model(name: str, tmp: Path):
-    """(model, tokenizer, description) for 'embedded', '30m' or a model directory."""
+    """(model, tokenizer, description) for 'embedded', '30m', 'qwen2-0.5b' or a model directory."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
@@ -75,6 +75,21 @@ def build_model(name: str, tmp: Path):
             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
         )
         return LlamaForCausalLM(config).eval(), tokenizer, f"Llama from config (hidden 512, 9 layers, MLP 1536), tokenizer of {path}"
+    if name == "qwen2-0.5b":  # the shape of Qwen2-0.5B (494M parameters), random weights, built on the GPU if any
+        from transformers import Qwen2Config, Qwen2ForCausalLM
+
+        path = embedded_model_path()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = Qwen2Config(
+            vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+            num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True, rope_theta=1e6,
+            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None,
+        )
+        torch.manual_seed(0)
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = Qwen2ForCausalLM(config).eval()
+        return model, tokenizer, (f"Qwen2-0.5B's shape from a config (24 layers, hidden 896, vocab 151,936, tied), "
+                                  f"random weights, tokenizer of {path.name}")
     return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32), AutoTokenizer.from_pretrained(name), name
 
 
@@ -145,3 +160,32 @@ class Instrumented:
     def bind(self, path: str) -> None:
         for name, method in self.current.items():
             setattr(self.engine, name, self.timed(name, method, exclude_noise=name in ("perturb", "update")))
+
+
+# ------------------------------------------------------------------ ratios
+SPREAD_LIMIT = 0.10
+"""A ratio whose rounds stray further than this from their median is not a result (issue 23)."""
+
+
+def ratio_summary(ratios: list[float]) -> dict:
+    """Median and spread (min–max) of per-round ratios; `noisy` when a round strays beyond ±SPREAD_LIMIT."""
+    import statistics
+
+    middle = statistics.median(ratios)
+    low, high = min(ratios), max(ratios)
+    noisy = len(ratios) < 2 or high > middle * (1 + SPREAD_LIMIT) or low < middle * (1 - SPREAD_LIMIT)
+    return {"median": middle, "min": low, "max": high, "rounds": len(ratios), "noisy": noisy}
+
+
+def format_ratio(summary: dict, percent: bool = False) -> str:
+    """'2.09× (2.01–2.15)', or 'noisy: rerun (…)' instead of a headline when the spread is too wide."""
+    show = (lambda v: f"{v:.1%}") if percent else (lambda v: f"{v:.2f}×")
+    spread = f"{show(summary['min'])}–{show(summary['max'])}, {summary['rounds']} rounds"
+    if summary["noisy"]:
+        return f"noisy: rerun ({spread})"
+    return f"{show(summary['median'])} ({spread})"
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages, for every printed ratio (a busy machine explains a noisy one)."""
+    return "load average " + "/".join(f"{v:.2f}" for v in os.getloadavg())

@@ -1,0 +1,237 @@
+"""The GPU table in one command (issue 23): esft's ES paths against the paper's loop and against plain
+batched generation, on a model of Qwen2-0.5B's shape in bfloat16, then the demo end to end.
+
+For each prompts-per-iteration setting (default 32 and 200), population N = 30, up to 64 new tokens
+(natural lengths: EOS ends a completion; a model with random weights rarely emits it, so almost every
+completion is 64 tokens), rounds alternating the paths, each path on its own copy of the model:
+  reference   the paper's loop (benchmarks/vs_reference.py: in-place perturbation, one HF `generate`
+              over the iteration's prompts per member, subtract, then the update)
+  sequential  esft, one member at a time (--no-population-batching, i.i.d. full-rank noise)
+  default     esft's defaults: i.i.d. full-rank noise, population batching auto (each member's own
+              weights, several members per call; `auto` falls back to one member at a time where the
+              batched forward disagrees with the sequential one, which the table says)
+  preset      low-rank noise rank 1, population batching (the demo preset)
+  limit       plain batched greedy generation of the same N × prompts rows by esft's decoder, no
+              perturbation: no exact ES path can beat it
+Seconds per iteration are wall seconds (synchronised); each ratio is the median over rounds of the
+same round's (reference / path) or (limit / path), printed with its spread (min–max) and refused
+("noisy: rerun") beyond ±10%. Rows per call are esft's `--mini-batch-size auto` (from free GPU
+memory); peak GPU memory is torch's max_memory_allocated during the path's iterations (all copies
+of the model stay resident, so it includes the other paths' weights: read the differences).
+Then `esft train --dtype bfloat16 --device cuda` (the demo: embedded model, its preset) runs as a
+subprocess and its wall time and accuracies are recorded.
+
+Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for benchmarks/RESULTS.md).
+
+    python benchmarks/gpu_suite.py --out /tmp/gpu                  # on one H100: about 10 minutes
+    python benchmarks/gpu_suite.py --device cpu --model embedded --prompts 4 --population 4 --max-tokens 8 \\
+        --rounds 2 --no-demo --out /tmp/gpu-smoke                   # the same code on a CPU, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from throughput_tools import build_model, format_ratio, load_average, ratio_summary  # noqa: E402
+from vs_reference import EsftPath, ReferenceLoop  # noqa: E402
+
+PATHS = ("reference", "sequential", "default", "preset", "limit")
+
+
+class LimitPath:
+    """Plain batched generation of all N × prompts rows (no noise), rows per call from --mini-batch-size auto."""
+
+    def __init__(self, model, tokenizer, args):
+        from esft.engines.transformers_engine import TransformersEngine
+
+        self.engine = TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens, mini_batch_size="auto")
+        self.population = args.population
+
+    def iteration(self, seeds, batch) -> list[float]:
+        generation = self.engine.generate(list(batch.prompts) * self.population)
+        return [float(sum(generation.num_tokens))]
+
+
+def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str:
+    """What --mini-batch-size auto chose for this path, said as rows (and members) per generate call."""
+    if name == "reference":
+        return f"{len(prompts)} (one HF generate per member)"
+    engine = runner.engine
+    length = engine._encode(prompts)["input_ids"].shape[1]
+    if name == "limit":
+        return str(engine.prompts_per_call(len(prompts) * population, 1, "auto", length))
+    if not runner.executor.population_batching:
+        return f"{engine.prompts_per_call(len(prompts), 1, None, length)} (one member at a time)"
+    from esft.engines.population import members_per_call
+
+    members = members_per_call(engine, population, prompts)
+    per_call = engine.prompts_per_call(len(prompts), members, None, length)
+    return f"{members * per_call} ({members} members × {per_call} prompts)"
+
+
+def measure(args, size: int, task) -> dict:
+    import torch
+
+    from esft.es import strategy
+    from esft.es.batches import prompt_batch
+
+    runners = {}
+    for name in args.paths:
+        model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-gpu-")))
+        model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+        if name == "reference":
+            runners[name] = ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
+        elif name == "limit":
+            runners[name] = LimitPath(model, tokenizer, args)
+        else:
+            runners[name] = EsftPath(name, model, tokenizer, args)
+    cuda = args.device.startswith("cuda")
+    seconds: dict[str, list[float]] = {name: [] for name in args.paths}
+    peak: dict[str, int] = {name: 0 for name in args.paths}
+    rows = {}
+    for round_ in range(args.rounds + 1):  # round 0 warms up every path (kernels, allocator) and is not counted
+        seeds = strategy.ask(strategy.ESState(0, round_), args.population)
+        batch = prompt_batch(task.train_dataset, 0, size, round_)
+        for name in args.paths:
+            runner = runners[name]
+            if name not in rows:
+                rows[name] = rows_per_call(name, runner, list(batch.prompts), args.population)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            if name == "reference":
+                from esft.tasks.countdown import countdown_reward
+
+                runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
+            else:
+                runner.iteration(seeds, batch)
+            if cuda:
+                torch.cuda.synchronize()
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+            if round_:
+                seconds[name].append(time.perf_counter() - started)
+        print(f"  {size} prompts: round {round_}/{args.rounds} "
+              f"{'(warm-up) ' if not round_ else ''}done, {load_average()}", file=sys.stderr, flush=True)
+    batched = {name: getattr(getattr(runners[name], "executor", None), "population_batching", None) for name in args.paths}
+    del runners
+    if cuda:
+        torch.cuda.empty_cache()
+    result = {"prompts": size, "model": described, "seconds": seconds, "peak_bytes": peak, "rows_per_call": rows,
+              "population_batching": batched, "vs_reference": {}, "of_limit": {}}
+    for name in args.paths:
+        if "reference" in seconds and name != "reference":
+            result["vs_reference"][name] = ratio_summary([r / p for r, p in zip(seconds["reference"], seconds[name])])
+        if "limit" in seconds and name not in ("limit", "reference"):
+            result["of_limit"][name] = ratio_summary([lim / p for lim, p in zip(seconds["limit"], seconds[name])])
+    return result
+
+
+def run_demo(args) -> dict:
+    """The demo end to end (`esft train` on the embedded model, its preset) in bf16 on the device."""
+    out = Path(tempfile.mkdtemp(prefix="esft-gpu-demo-"))
+    command = [sys.executable, "-m", "esft.cli", "train", "--dtype", args.dtype, "--device", args.device,
+               "--output-dir", str(out), "--run-name", "demo", "--no-progress"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    started = time.perf_counter()
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - started
+    found = re.search(r"accuracy: ([\d.]+)% \(before training ([\d.]+)%", proc.stdout)
+    return {"command": "esft train --dtype " + args.dtype + " --device " + args.device, "exit": proc.returncode,
+            "wall_seconds": wall, "accuracy_after": float(found.group(1)) if found else None,
+            "accuracy_before": float(found.group(2)) if found else None,
+            "tail": (proc.stdout + proc.stderr)[-1500:]}
+
+
+def markdown(report: dict) -> str:
+    machine = report["machine"]
+    lines = [f"GPU table, {machine['date']}, commit {machine['commit']}, {machine['gpu']}, torch {machine['torch']}, "
+             f"{report['args']['dtype']}; `{report['command']}`", ""]
+    for result in report["results"]:
+        lines += [f"**{result['prompts']} prompts per iteration**, N = {report['args']['population']}, up to "
+                  f"{report['args']['max_tokens']} new tokens; {result['model']}", "",
+                  "| path | s / iteration (median, min–max) | reference / path | limit / path (fraction of the limit) "
+                  "| rows per call | peak GPU memory |", "| --- | --- | --- | --- | --- | --- |"]
+        for name, values in result["seconds"].items():
+            label = name
+            if result["population_batching"].get(name) is False and name == "default":
+                label += " (auto chose one member at a time)"
+            vs_ref = format_ratio(result["vs_reference"][name]) if name in result["vs_reference"] else "—"
+            of_limit = format_ratio(result["of_limit"][name], percent=True) if name in result["of_limit"] else "—"
+            ordered = sorted(values)
+            lines.append(f"| {label} | {ordered[len(ordered) // 2]:.2f} ({ordered[0]:.2f}–{ordered[-1]:.2f}) | {vs_ref} "
+                         f"| {of_limit} | {result['rows_per_call'][name]} | {result['peak_bytes'][name] / 2**30:.1f} GiB |")
+        lines.append("")
+    demo = report.get("demo")
+    if demo:
+        accuracy = (f"{demo['accuracy_before']}% → {demo['accuracy_after']}%" if demo["accuracy_after"] is not None
+                    else "no accuracy line (see the JSON's tail)")
+        lines += [f"Demo end to end: `{demo['command']}`: exit {demo['exit']}, {demo['wall_seconds']:.0f} s wall, "
+                  f"held-out accuracy {accuracy}.", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="qwen2-0.5b", help="qwen2-0.5b (default), 30m, embedded or a model directory")
+    parser.add_argument("--prompts", default="32,200", help="prompts per iteration, comma-separated")
+    parser.add_argument("--population", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--sigma", type=float, default=1e-3)
+    parser.add_argument("--rounds", type=int, default=3, help="timed rounds after one warm-up round")
+    parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--mini-batch", default="auto", help=argparse.SUPPRESS)  # vs_reference's EsftPath reads it
+    parser.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True, help="also run the demo end to end")
+    parser.add_argument("--out", default=".", help="directory for gpu_suite.json and gpu_suite.md")
+    parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse, where .git is)")
+    args = parser.parse_args()
+    args.paths = [p for p in args.paths.split(",") if p]
+    unknown = sorted(set(args.paths) - set(PATHS))
+    if unknown:
+        parser.exit(2, f"gpu_suite: unknown path(s) {unknown}; choose from {','.join(PATHS)}\n")
+
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.exit(2, "gpu_suite: no CUDA device here; run it on a GPU machine, or --device cpu for a smoke test\n")
+    from esft.tasks.countdown_task import make_countdown_task
+
+    task = make_countdown_task(seed=0, difficulty="easy")
+    started = time.perf_counter()
+    commit = args.commit or subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
+                                           text=True).stdout.strip()
+    report = {"command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:]), "args": vars(args), "results": [],
+              "machine": {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit or "unknown",
+                          "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else "CPU",
+                          "torch": torch.__version__}}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for size in (int(s) for s in args.prompts.split(",")):
+        report["results"].append(measure(args, size, task))
+        report["machine"]["load"] = load_average()
+        (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=float))  # kept if a later step dies
+    if args.demo:
+        report["demo"] = run_demo(args)
+    report["total_seconds"] = time.perf_counter() - started
+    (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=float))
+    (out / "gpu_suite.md").write_text(markdown(report))
+    print("\n" + markdown(report))
+    print(f"total {report['total_seconds']:.0f} s; wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}")
+
+
+if __name__ == "__main__":
+    main()
