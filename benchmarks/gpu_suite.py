@@ -57,10 +57,9 @@ class LimitPath:
         from esft.engines.transformers_engine import TransformersEngine
 
         self.engine = TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens, mini_batch_size="auto")
-        self.population = args.population
 
     def iteration(self, seeds, batch) -> list[float]:
-        generation = self.engine.generate(list(batch.prompts) * self.population)
+        generation = self.engine.generate(list(batch.prompts) * len(seeds))
         return [float(sum(generation.num_tokens))]
 
 
@@ -101,8 +100,8 @@ def measure(args, size: int, task) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in args.paths}
     peak: dict[str, int] = {name: 0 for name in args.paths}
     rows = {}
-    for round_ in range(args.rounds + 1):  # round 0 warms up every path (kernels, allocator) and is not counted
-        seeds = strategy.ask(strategy.ESState(0, round_), args.population)
+    for round_ in range(args.rounds + 1):  # round 0 (2 members) warms up every path (kernels, allocator), not counted
+        seeds = strategy.ask(strategy.ESState(0, round_), args.population if round_ else 2)
         batch = prompt_batch(task.train_dataset, 0, size, round_)
         for name in args.paths:
             runner = runners[name]
@@ -121,8 +120,10 @@ def measure(args, size: int, task) -> dict:
             if cuda:
                 torch.cuda.synchronize()
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+            elapsed = time.perf_counter() - started
             if round_:
-                seconds[name].append(time.perf_counter() - started)
+                seconds[name].append(elapsed)
+            print(f"  {size} prompts, round {round_}: {name} {elapsed:.2f} s", file=sys.stderr, flush=True)
         print(f"  {size} prompts: round {round_}/{args.rounds} "
               f"{'(warm-up) ' if not round_ else ''}done, {load_average()}", file=sys.stderr, flush=True)
     batched = {name: getattr(getattr(runners[name], "executor", None), "population_batching", None) for name in args.paths}
