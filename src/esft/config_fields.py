@@ -240,7 +240,7 @@ class RunFields:
     base_model: str | None = _in(
         "evaluation",
         "Reference model of the KL(fine-tuned || base) that tasks such as conciseness report, loaded on "
-        "CPU. Default: --model itself (during training: the weights before training).",
+        "the model's device in its dtype. Default: --model itself (during training: the weights before training).",
         default=None,
     )
 

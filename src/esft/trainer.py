@@ -68,7 +68,8 @@ class ESTrainer:
         render_rows(self.task, self.engine.tokenizer)  # chat prompts become the text the model sees
         check_prompt_lengths(self.task, self.engine.tokenizer, self.engine.max_length(), args.max_tokens)
         self._kl = None
-        # KL's base for a model passed as an object: a CPU float32 copy of its weights before training
+        # KL's base for a model passed as an object: a CPU float32 copy of its weights before training,
+        # kept off the device until the first KL evaluation moves it to the model's device and dtype
         self._kl_base = _cpu_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
         self.state = strategy.init(args.seed)
         self.run = run
