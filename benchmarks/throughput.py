@@ -21,10 +21,12 @@ Generation is esft's greedy decoder (esft.engines.decoding) everywhere, the limi
 Completion lengths are forced equal on every side (benchmark-only: min_new_tokens = max_new_tokens,
 so EOS never ends a row early): tokens = population × batch × max_tokens everywhere; with
 --natural-lengths EOS ends completions as in training. Rounds alternate the measurements, so a load
-spike from other jobs hits all of them alike; ratios are the median over rounds, and best / best.
+spike from other jobs hits all of them alike; a ratio is the median over rounds of (path / the same
+round's limit), printed with its spread (min–max) and the load average, and "noisy: rerun" instead of
+a ratio when a round strays beyond ±10% (no best-round figure: it cannot be reproduced).
 
-    python benchmarks/throughput.py --threads 1 --rounds 3 --natural-lengths --limit-rows 240,960 --memory ""
-    python benchmarks/throughput.py --model 30m --threads 1 --rounds 3 --batch 16 --max-tokens 32 \
+    python benchmarks/throughput.py --threads 1 --natural-lengths --limit-rows 240,960 --memory ""      # 5 rounds
+    python benchmarks/throughput.py --model 30m --threads 1 --batch 16 --max-tokens 32 \
         --limit-rows 240 --paths seq-iid,batched-lowrank --memory ""
 (the runs recorded in benchmarks/RESULTS.md)
 """
@@ -46,7 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import MB, Instrumented, RSSSampler, Timings, build_model, kv_cache_bytes, now  # noqa: E402
+from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
+                              load_average, now, ratio_summary)
 
 # --------------------------------------------------------------------- setup
 PHASES = ("noise", "perturb", "generate", "restore", "reward", "update", "other")
@@ -218,7 +221,7 @@ def main() -> None:
     parser.add_argument("--reward-cost-ms", type=float, default=0.0,
                         help="simulate an expensive user reward: sandboxed, burning this many ms of CPU per member")
     parser.add_argument("--sigma", type=float, default=1e-3)
-    parser.add_argument("--rounds", type=int, default=3, help="0: only the memory measurements")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (ratios: medians over them); 0: only the memory measurements")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--memory", default="limit,seq-iid,batched-lowrank",
                         help="what to measure memory of, each in a fresh process ('limit' = at the batched path's "
@@ -290,32 +293,27 @@ def main() -> None:
         return max(results[f"limit@{count}"][round_index]["tokens"] / results[f"limit@{count}"][round_index][clock]
                    for count in limit_rows)
 
-    def best_limit(clock):
-        return max(r["tokens"] / r[clock] for count in limit_rows for r in results[f"limit@{count}"])
-
     for clock in ("cpu", "wall"):
         print(f"\n2/3. ES iteration, {clock} clock: tokens/s of the evaluation phase (2) and the full iteration (3); "
-              f"ratios: median over rounds of (path / the same round's limit), and best round / best limit ('best'); "
-              f"breakdown of the median round, seconds")
-        print(f"{'path':<16} {'eval tok/s':>10} {'2/1':>6} {'best':>6} {'iter s':>7} {'3/1':>6} {'best':>6}  "
+              f"ratios: median over rounds of (path / the same round's limit) with min–max, 'noisy: rerun' beyond "
+              f"±10%; breakdown of the median round, seconds; {load_average()}")
+        print(f"{'path':<16} {'eval tok/s':>10} {'2/1 (median, min–max)':>40} {'iter s':>7} {'3/1 (median, min–max)':>40}  "
               + "".join(f"{k:>9}" for k in PHASES))
         for path in paths:
             rounds = results[path]
-            ratio2 = median([r["tokens"] / r[clock]["evaluation"] / round_limit(clock, i) for i, r in enumerate(rounds)])
-            ratio3 = median([r["tokens"] / r[clock]["iteration"] / round_limit(clock, i) for i, r in enumerate(rounds)])
-            best2 = max(r["tokens"] / r[clock]["evaluation"] for r in rounds) / best_limit(clock)
-            best3 = max(r["tokens"] / r[clock]["iteration"] for r in rounds) / best_limit(clock)
+            ratio2 = ratio_summary([r["tokens"] / r[clock]["evaluation"] / round_limit(clock, i) for i, r in enumerate(rounds)])
+            ratio3 = ratio_summary([r["tokens"] / r[clock]["iteration"] / round_limit(clock, i) for i, r in enumerate(rounds)])
             chosen = sorted(rounds, key=lambda r: r[clock]["evaluation"])[(len(rounds) - 1) // 2]
             b = chosen[clock]["breakdown"]
             summary["paths"].setdefault(path, {})[clock] = {"ratio_eval": ratio2, "ratio_iteration": ratio3,
-                                                            "best_ratio_eval": best2, "best_ratio_iteration": best3,
                                                             "median_round": chosen[clock]}
+            shown3 = format_ratio(ratio3, percent=True)
             if path.endswith("+overlap"):  # scoring overlaps generation: only the full iteration is measured
-                print(f"{path:<16} {'-':>10} {'-':>6} {'-':>6} {chosen[clock]['iteration']:>7.2f} {ratio3:>6.1%} {best3:>6.1%}  "
+                print(f"{path:<16} {'-':>10} {'-':>40} {chosen[clock]['iteration']:>7.2f} {shown3:>40}  "
                       + "".join(f"{b[k]:>8.2f}s" if k != "other" else f"{'-':>9}" for k in PHASES))
                 continue
-            print(f"{path:<16} {chosen['tokens'] / chosen[clock]['evaluation']:>10,.0f} {ratio2:>6.1%} {best2:>6.1%}"
-                  f" {chosen[clock]['iteration']:>7.2f} {ratio3:>6.1%} {best3:>6.1%}  "
+            print(f"{path:<16} {chosen['tokens'] / chosen[clock]['evaluation']:>10,.0f} {format_ratio(ratio2, percent=True):>40}"
+                  f" {chosen[clock]['iteration']:>7.2f} {shown3:>40}  "
                   + "".join(f"{b[k]:>8.2f}s" for k in PHASES))
     for path in paths:
         summary["paths"][path]["rounds"] = results[path]

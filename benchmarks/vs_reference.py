@@ -16,10 +16,11 @@ Same model, prompts (Countdown, natural completion lengths: EOS ends them), popu
 budget (max new tokens). Rounds alternate the paths (a load spike hits all alike); each round uses
 the next iteration's seeds and prompt batch for every path. Times are this process's CPU seconds
 (with --threads 1 barely disturbed by other jobs) and wall seconds, medians over rounds; the ratio
-is reference / path (> 1: esft is faster).
+is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
+(min–max) and the load average; a spread beyond ±10% prints "noisy: rerun" instead of a ratio.
 
-    python benchmarks/vs_reference.py --model embedded --prompts 32,200 --rounds 3
-    python benchmarks/vs_reference.py --model 30m --prompts 32,200 --rounds 2
+    python benchmarks/vs_reference.py --model embedded --prompts 32,200          # 5 rounds
+    python benchmarks/vs_reference.py --model 30m --prompts 32,200 --rounds 3
     python benchmarks/vs_reference.py --model 30m --device cuda --dtype bfloat16 --prompts 32,200  # on a GPU
 """
 
@@ -36,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model  # noqa: E402
+from throughput_tools import build_model, format_ratio, load_average, ratio_summary  # noqa: E402
 
 
 class ReferenceLoop:
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--population", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sigma", type=float, default=1e-3)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; ratios are medians over them")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paths", default="reference,sequential,default,preset")
     parser.add_argument("--mini-batch", default="auto", help="prompts per generate call of esft's paths (auto or a number)")
@@ -173,15 +174,17 @@ def main() -> None:
                 wall[name].append(time.perf_counter() - started_wall)
                 tokens[name] = float(np.mean(rewards))
         clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
-        base = statistics.median(clock["reference"]) if "reference" in clock else None
-        print(f"\n## {size} prompts per iteration ({described})")
+        print(f"\n## {size} prompts per iteration ({described}); {load_average()}")
         which = "wall" if clock is wall else "CPU"
-        print(f"| path | CPU s/iteration (median) | wall s/iteration (median) | reference / path ({which}) | mean reward |")
+        print(f"| path | CPU s/iteration (median, min–max) | wall s/iteration (median) | reference / path ({which}; "
+              f"median of the rounds' ratios, min–max) | mean reward |")
         print("| --- | --- | --- | --- | --- |")
         for name in paths:
             c, w = statistics.median(cpu[name]), statistics.median(wall[name])
-            ratio = f"{base / statistics.median(clock[name]):.2f}×" if base else "—"
-            print(f"| {name} | {c:.2f} | {w:.2f} | {ratio} | {tokens[name]:.3f} |")
+            ratio = "—"
+            if "reference" in clock and name != "reference":  # each round's ratio, so a load spike hits both sides
+                ratio = format_ratio(ratio_summary([r / p for r, p in zip(clock["reference"], clock[name])]))
+            print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | {ratio} | {tokens[name]:.3f} |")
         sys.stdout.flush()
 
 
