@@ -116,6 +116,17 @@ def test_no_file_over_400_lines():
     assert not long, long
 
 
+def test_every_room_is_a_package_that_names_itself():
+    """Each folder of modules has an __init__.py whose docstring says its room (a folder without one was
+    once hidden by a .gitignore line, `runs/`, that also matched src/esft/runs/)."""
+    folders = sorted({p.parent for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts})
+    missing = [str(f.relative_to(PACKAGE)) for f in folders if not (f / "__init__.py").is_file()]
+    assert not missing, f"folders without __init__.py: {missing}"
+    silent = [str(f.relative_to(PACKAGE)) for f in folders
+              if not ast.get_docstring(ast.parse((f / "__init__.py").read_text()))]
+    assert not silent, f"__init__.py without a docstring naming the room: {silent}"
+
+
 # ----------------------------------------------------------------------------- the engine contract
 CONTRACT = [name for name, member in vars(Engine).items() if callable(member) and not name.startswith("_")]
 
