@@ -263,7 +263,7 @@ def test_ray_run_ends_bitwise_equal_to_the_local_run(lively_model_dir, tmp_path)
     (["--engine", "vllm"], "--engine: LoRA-ES runs on --engine transformers only"),
     (["--lora-adapter", "."], "--lora-adapter: '.' is not a PEFT adapter directory"),
     (["--lora-target-modules", "nonexistent_proj"], "--lora-target-modules: Target modules"),
-    (["--population-batching", "--engine", "vllm", "--lora-r", "0"], "--population-batching: is a transformers-engine path"),
+    (["--population-batching", "--engine", "vllm", "--lora-r", "0"], "--population-batching: with --engine vllm needs --noise lowrank"),
 ])
 def test_refusals_are_one_line_and_exit_2(flags, message, lively_model_dir, data_dir, tmp_path, capsys):
     assert main(train_args(lively_model_dir, data_dir, tmp_path, "x", *flags)) == 2

@@ -307,11 +307,14 @@ def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_
     (dict(noise="lowrank", rank=4, population_batching=True), True),
     (dict(noise="lowrank", population_batching=True, executor="ray", workers=2), True),
     (dict(population_batching=True), True),  # full-rank members batch too, each with its own weights
-    (dict(population_batching=True, engine="vllm"), "--population-batching: is a transformers-engine path"),
+    (dict(population_batching=True, engine="vllm"), "--population-batching: with --engine vllm needs --noise lowrank"),
+    (dict(population_batching=True, engine="vllm", noise="lowrank"), True),  # members as vLLM LoRA adapters (issue 21)
     (dict(population_batching="auto", engine="vllm"), True),  # auto: one member at a time there
     (dict(population_batching="sometimes"), "--population-batching: must be true, false or auto"),
     (dict(noise="lowrank", rank=0), "--rank"),
-    (dict(noise="lowrank", engine="vllm"), "--noise"),
+    (dict(noise="lowrank", engine="vllm"), True),
+    (dict(vllm_max_loras=4), "--vllm-max-loras: is a setting of --engine vllm"),
+    (dict(vllm_max_loras=0, engine="vllm", noise="lowrank"), "--vllm-max-loras: must be >= 1"),
 ])
 def test_config_rules(settings, accepted):
     if accepted is True:

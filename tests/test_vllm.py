@@ -43,7 +43,11 @@ def vllm_model_dir(tmp_path_factory) -> Path:
 def session_vllm(vllm_model_dir):
     from esft.engines.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine(str(vllm_model_dir), max_tokens=MAX_TOKENS, max_model_len=256)
+    # Started with low-rank noise so that it can serve members as LoRA adapters (issue 21); the
+    # fixture below puts it back to iid noise, which the other tests use, with the LoRA layers idle.
+    engine = VLLMEngine(str(vllm_model_dir), max_tokens=MAX_TOKENS, max_model_len=256, noise="lowrank", rank=2,
+                        max_loras=4, gpu_memory_utilization=0.1)
+    engine.configure(trainable=None, noise="iid")
     base = engine.master_state()
     yield engine, base
     engine.close()
@@ -56,6 +60,7 @@ def vllm_engine(session_vllm):
     yield engine
     engine._rpc("esft_set_cpu_gemm", "plain")
     engine.configure(trainable=None, noise="iid")
+    engine.rank = 2
     engine.load_master_state(base)
 
 

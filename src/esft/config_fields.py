@@ -303,3 +303,12 @@ class RunFields:
         default=None,
     )
 
+    # ---- issue 21: the vLLM population as LoRA adapters (esft.engines.vllm_adapters)
+    vllm_max_loras: int | None = _in(
+        "model and engine",
+        "vLLM with --noise lowrank: every member of an iteration is a LoRA adapter of one engine and all "
+        "members x prompts go to ONE generate call; this many adapters run per scheduler step (vLLM's "
+        "max_loras). Default: the population size (all members at once), at most 64. Full-rank noise: "
+        "members run one at a time (each holds its own full weights).",
+        default=None,
+    )

@@ -56,7 +56,7 @@ def check(config) -> None:
         if not config.mini_batch_size.isdigit():
             raise ConfigError("mini_batch_size", f"must be auto or a number of prompts, got {config.mini_batch_size!r}")
         config.mini_batch_size = int(config.mini_batch_size)
-    for name in ("mini_batch_size", "save_total_limit", "max_model_len"):
+    for name in ("mini_batch_size", "save_total_limit", "max_model_len", "vllm_max_loras"):
         if isinstance(getattr(config, name), int) and getattr(config, name) < 1:
             raise ConfigError(name, f"must be >= 1 (or left unset), got {getattr(config, name)}")
     for name, allowed in CHOICES.items():
@@ -64,13 +64,11 @@ def check(config) -> None:
             raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {getattr(config, name)!r}")
     _check_scale_out(config)
     _check_algorithm(config)
-    if config.noise == "lowrank" and config.engine != "transformers":
-        raise ConfigError("noise", f"lowrank noise is implemented for --engine transformers only (got {config.engine})")
     if config.population_batching not in (True, False, "auto"):
         raise ConfigError("population_batching", f"must be true, false or auto; got {config.population_batching!r}")
-    if config.population_batching is True and config.engine != "transformers":
-        raise ConfigError("population_batching", f"is a transformers-engine path (got --engine {config.engine}): "
-                          "drop --population-batching")
+    if config.population_batching is True and config.engine != "transformers" and config.noise != "lowrank":
+        raise ConfigError("population_batching", f"with --engine {config.engine} needs --noise lowrank (members as "
+                          "vLLM LoRA adapters); full-rank members run one at a time: drop --population-batching")
     _check_lora(config)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.device):
         raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {config.device!r}")
@@ -112,7 +110,8 @@ def _check_scale_out(config) -> None:
     """vLLM settings need --engine vllm and Ray settings --executor ray: never silently ignored."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     for engine_or_executor, wanted, names in (
-        ("engine", "vllm", ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "vllm_cpu_gemm")),
+        ("engine", "vllm", ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "vllm_cpu_gemm",
+                            "vllm_max_loras")),
         ("executor", "ray", ("workers", "ray_address", "ray_cpus_per_worker", "ray_gpus_per_worker")),
     ):
         if getattr(config, engine_or_executor) == wanted:

@@ -57,7 +57,8 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
             return VLLMEngine.from_pretrained(
                 path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-                cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, **options,
+                cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, rank=args.rank,
+                max_loras=args.vllm_max_loras or min(args.population_size, 64), **options,
             )
         return (lora_engine(args, path, None, options)
                 or TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options))

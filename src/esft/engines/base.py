@@ -141,3 +141,18 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release processes and devices the engine holds (idempotent)."""
+
+
+@runtime_checkable
+class PopulationEngine(Protocol):
+    """An engine that evaluates a whole population itself, in its own batched way (the vLLM engine
+    with low-rank noise: every member a LoRA adapter of one engine). esft.engines.population hands
+    such an engine the population instead of hooking its model; members' results are those of
+    perturb → generate → restore with the same seeds."""
+
+    def population_problem(self) -> str | None:
+        """Why this engine cannot evaluate its members batched now (noise, set-up), or None."""
+
+    def generate_population(self, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float,
+                            mini_batch_size: int | None = None) -> list[Generation]:
+        """Greedy completions of `prompts` for every member (one Generation per member, prompts in order)."""

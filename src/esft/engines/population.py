@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.base import Generation, generation_from_tokens
+from esft.engines.base import Generation, PopulationEngine, generation_from_tokens
 from esft.es.lowrank import stacked_factors
 from esft.es.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -247,6 +247,8 @@ def members_per_call(engine, members: int, prompts: Sequence[str]) -> int:
     """Members batched in one generate call: all of them, unless each holds its own weights (full-rank
     noise: esft.engines.fullrank_population, as many as fit and fill a call). 1 means batching gains
     nothing here: the executor then evaluates members one at a time, weights in place."""
+    if isinstance(engine, PopulationEngine):  # it batches its own members (the vLLM engine: LoRA adapters)
+        return members
     population_class = _population_class(engine)
     if hasattr(population_class, "members_per_call"):
         return population_class.members_per_call(engine, members, prompts)
@@ -260,7 +262,10 @@ def generate_population(
 ) -> list[Generation]:
     """Greedy completions of `prompts` for every member (one Generation per member, prompts in
     order), `group` members (default: members_per_call) in each generate call; `mini_batch_size`
-    prompts (× members rows) per call."""
+    prompts (× members rows) per call. An engine that batches its own members (PopulationEngine) is
+    handed the whole population."""
+    if isinstance(engine, PopulationEngine):
+        return engine.generate_population(prompts, member_seeds, sigma, mini_batch_size)
     check_population_batching(engine)
     population_class = _population_class(engine)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
@@ -287,6 +292,8 @@ _CHECKED = "_esft_population_checked"
 def population_batching_problem(engine) -> str | None:
     """Why `engine`'s model cannot evaluate members batched (check_population_batching's message),
     or None when it can: for callers that report it their own way (a ConfigError, a Ray reply)."""
+    if isinstance(engine, PopulationEngine):
+        return engine.population_problem()
     try:
         check_population_batching(engine)
     except PopulationBatchingError as error:

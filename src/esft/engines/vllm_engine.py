@@ -30,7 +30,9 @@ from esft.engines.base import (
     generation_from_tokens,
     torch_dtype,
 )
+from esft.engines.vllm_adapters import adapter_trainable, member_request, smallest_lora_rank
 from esft.engines.vllm_worker import from_bytes, to_bytes
+from esft.es.noise import LOW_RANK_SCHEMES, perturbs
 
 EXTENSION = "esft.engines.vllm_worker.ESWorkerExtension"
 
@@ -63,6 +65,8 @@ class VLLMEngine:
         max_model_len: int | None = None,
         cpu_gemm: str = "plain",
         seed: int = 0,
+        rank: int = 1,
+        max_loras: int | None = None,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
         from transformers import AutoTokenizer
@@ -75,6 +79,11 @@ class VLLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.hf_params = hf_parameter_list(self.model_path)
         on_gpu = torch.cuda.is_available()
+        # Low-rank noise: members are LoRA adapters of this engine (esft.engines.vllm_adapters), as
+        # many per scheduler step as max_loras (default 8), rank slots sized to the smallest that fits.
+        self.rank, self._next_adapter_id = rank, 1
+        lora = dict(enable_lora=True, max_loras=max_loras or 8, max_lora_rank=smallest_lora_rank(rank)) \
+            if noise in LOW_RANK_SCHEMES else {}
         self.llm = LLM(
             model=self.model_path,
             dtype=dtype,
@@ -95,9 +104,11 @@ class VLLMEngine:
             generation_config="vllm",
             # CUDA graphs are fine (weights change in place, addresses stay); on CPU stay eager.
             enforce_eager=not on_gpu,
+            **lora,
         )
         summaries = self._rpc("esft_setup", self.hf_params, cpu_gemm)
         self._unmapped = set(summaries[0]["unmapped"])
+        self.adapter_indices = set(self._rpc("esft_adapter_setup")[0])  # HF matrices vLLM serves as LoRA
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
         self.configure(trainable=trainable, noise=noise)
 
@@ -110,20 +121,27 @@ class VLLMEngine:
 
     def configure(self, *, trainable: str | None = None, noise: str = "iid") -> None:
         """Select the trainable tensors (regex on HF names, as --trainable) and the noise scheme;
-        the float32 master is rebuilt from the current weights."""
-        if noise not in ("iid", "correlated"):
-            raise ValueError(f"the vLLM engine supports --noise iid and correlated, not {noise!r}")
+        the float32 master is rebuilt from the current weights. Low-rank noise on an engine with
+        LoRA: the matrices vLLM serves as LoRA (linear layers) by default, and only those
+        (esft.engines.vllm_adapters.adapter_trainable); its one line says what is frozen."""
+        if noise not in ("iid", "correlated", "lowrank"):
+            raise ValueError(f"the vLLM engine supports --noise iid, correlated and lowrank, not {noise!r}")
         pattern = re.compile(trainable) if trainable else None
         self.trainable = [
             (index, name, shape) for index, name, shape in self.hf_params
             if pattern is None or pattern.search(name)
         ]
+        if noise in LOW_RANK_SCHEMES and self.adapter_indices:
+            self.trainable = adapter_trainable(self.trainable, self.hf_params, self.adapter_indices, trainable)
         if not self.trainable:
             raise NoTrainableParameters(
                 f"{trainable!r} matches no parameter of the model; names look like {self.hf_params[0][1]!r}"
             )
         self.noise, self.trainable_pattern = noise, trainable
-        self._rpc("esft_configure", [index for index, _, _ in self.trainable], noise)
+        indices = [index for index, _, _ in self.trainable]
+        self._rpc("esft_configure", indices, noise, self.rank)
+        if noise in LOW_RANK_SCHEMES and self.adapter_indices:
+            self._rpc("esft_adapter_configure", [i for i, _, shape in self.trainable if perturbs(noise, shape)], self.rank)
 
     # ---------------------------------------------------------------- weights
     def perturb(self, member_seed: int, sigma: float) -> None:
@@ -152,9 +170,14 @@ class VLLMEngine:
         return digest.hexdigest()
 
     def _gather(self, current: bool = False) -> dict[str, torch.Tensor]:
+        return self._collect(self._rpc("esft_master_blocks", current))
+
+    def _collect(self, blocks_per_rank) -> dict[str, torch.Tensor]:
+        """HF tensors from the (HF name, HF slices, bytes) blocks every worker sent."""
         shapes = {name: shape for _, name, shape in self.trainable}
-        out = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()}
-        for blocks in self._rpc("esft_master_blocks", current):
+        sent = {name for blocks in blocks_per_rank for name, _, _ in blocks}
+        out = {name: torch.full(shape, float("nan")) for name, shape in shapes.items() if name in sent}
+        for blocks in blocks_per_rank:
             for name, bounds, data in blocks:
                 where = tuple(slice(a, b) for a, b in bounds)
                 out[name][where] = from_bytes(data, out[name][where].shape)
@@ -197,11 +220,18 @@ class VLLMEngine:
         """Completions for every prompt: greedy (temperature 0, top-p 1, one sample) unless
         `sampling` says otherwise. `mini_batch_size` is accepted for interface parity; vLLM
         batches requests itself."""
-        from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        sampling = sampling or Sampling()
-        params = SamplingParams(
+        params = self._sampling_params(sampling or Sampling())
+        ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in ids], params, use_tqdm=False)
+        rows = [completion.token_ids for output in outputs for completion in output.outputs]
+        return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
+
+    def _sampling_params(self, sampling: Sampling):
+        from vllm import SamplingParams
+
+        return SamplingParams(
             n=sampling.n,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -212,10 +242,45 @@ class VLLMEngine:
             repetition_penalty=1.0,
             detokenize=False,
         )
+
+    # ------------------------------------------------------------- population
+    def population_problem(self) -> str | None:
+        """Why members cannot be served as LoRA adapters of this engine, or None when they can."""
+        if self.noise not in LOW_RANK_SCHEMES:
+            return (f"--noise {self.noise} gives every member its own full weights: vLLM evaluates them one at a "
+                    "time (--noise lowrank serves the population as LoRA adapters)")
+        if not self.adapter_indices:
+            return "this vLLM engine was started without LoRA (start it with noise='lowrank')"
+        return None
+
+    def generate_population(self, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float,
+                            mini_batch_size: int | None = None) -> list[Generation]:
+        """Greedy completions of `prompts` for every member, members served as LoRA adapters built
+        in the workers from their seeds (esft.engines.vllm_adapters): ONE generate over members ×
+        prompts; vLLM's scheduler runs up to max_loras adapters per step. The base weights are the
+        master (no perturb/restore). Each member gets a fresh adapter id and name, never reused."""
+        problem = self.population_problem()
+        if problem:
+            raise ValueError(problem)
+        requests, self._last_population = [], len(member_seeds)
+        for seed in member_seeds:
+            requests.append(member_request(self._next_adapter_id, seed, sigma))
+            self._next_adapter_id += 1
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in ids], params, use_tqdm=False)
-        rows = [completion.token_ids for output in outputs for completion in output.outputs]
-        return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
+        from vllm.inputs import TokensPrompt
+
+        rows = [TokensPrompt(prompt_token_ids=row) for _ in member_seeds for row in ids]
+        outputs = self.llm.generate(rows, self._sampling_params(Sampling()), use_tqdm=False,
+                                    lora_request=[request for request in requests for _ in ids])
+        tokens = [output.outputs[0].token_ids for output in outputs]
+        return [generation_from_tokens(tokens[m * len(ids):(m + 1) * len(ids)], self.eos_token_ids, self.tokenizer)
+                for m in range(len(member_seeds))]
+
+    def adapter_weights(self, member_position: int) -> dict[str, torch.Tensor]:
+        """What vLLM's LoRA kernels compute with for a member of the last generate_population
+        (0 = its first member), if its adapter still holds a slot: master + lora_B·lora_A, HF layout (tests)."""
+        adapter_id = self._next_adapter_id - self._last_population + member_position
+        return self._collect(self._rpc("esft_adapter_weights", adapter_id))
 
     # ----------------------------------------------------------------- saving
     def save_pretrained(self, path: str | Path) -> None:

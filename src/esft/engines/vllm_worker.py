@@ -35,7 +35,9 @@ from collections.abc import Sequence
 
 import torch
 
-from esft.es.noise import draw_noise
+from esft.engines.vllm_adapters import AdapterWorker, lora_unwrapped
+from esft.es import lowrank
+from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 
 # ------------------------------------------------------------ CPU GEMM dispatch
 _PACKED_LAYERS: list[torch.nn.Module] = []
@@ -93,14 +95,19 @@ def _bounding_block(mask: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slices)
 
 
-class ESWorkerExtension:
+class ESWorkerExtension(AdapterWorker):
     """Mixed into vLLM's worker class; every public name starts with esft_ (no clash with vLLM)."""
 
     # ------------------------------------------------------------- set-up
     def esft_setup(
         self, hf_params: Sequence[tuple[int, str, tuple[int, ...]]], cpu_gemm: str = "plain"
     ) -> dict:
-        """Map every HF tensor (index, name, shape) onto the vLLM parameters; returns a summary."""
+        """Map every HF tensor (index, name, shape) onto the vLLM parameters; returns a summary.
+        With LoRA enabled, mapped on the unwrapped layers (HF-like names, the same tensors)."""
+        with lora_unwrapped(self.model_runner):
+            return self._esft_setup(hf_params, cpu_gemm)
+
+    def _esft_setup(self, hf_params, cpu_gemm: str) -> dict:
         model = self.model_runner.model
         self._esft_model = model
         self._esft_params = dict(model.named_parameters())
@@ -186,10 +193,11 @@ class ESWorkerExtension:
             for n, data in saved.items():
                 self._esft_params[n].data = data
 
-    def esft_configure(self, trainable: Sequence[int], noise: str) -> int:
-        """Choose the trainable HF tensors (by index) and the noise scheme; (re)builds the float32
-        master from the current weights. Returns the number of trainable scalars on this rank."""
-        self._esft_scheme = noise
+    def esft_configure(self, trainable: Sequence[int], noise: str, rank: int = 1) -> int:
+        """Choose the trainable HF tensors (by index), the noise scheme and low-rank noise's rank;
+        (re)builds the float32 master from the current weights. Returns the number of trainable
+        scalars on this rank. Low-rank noise leaves non-matrix tensors frozen, as everywhere."""
+        self._esft_scheme, self._esft_rank = noise, int(rank)
         missing = [self._esft_hf[i][0] for i in trainable if not self._esft_blocks.get(i)]
         if missing:
             raise RuntimeError(f"esft: vLLM has no parameter for {missing[:5]}")
@@ -221,6 +229,8 @@ class ESWorkerExtension:
         """θ ← master + σ·ε(seed) on the trainable elements, rounded once to the model dtype."""
         # The transformers engine's arithmetic, on contiguous HF-shaped pieces (a whole HF tensor
         # unless tensor parallelism splits it): torch.add(master, ε, alpha=σ), then rounding.
+        if self._esft_scheme in LOW_RANK_SCHEMES:
+            return self._esft_perturb_lowrank(seed, sigma)
         for index, shape, blocks in self._esft_trainable:
             noise = self._esft_draw(seed, index, shape)
             for name, vslices, hslices in blocks:
@@ -228,6 +238,24 @@ class ESWorkerExtension:
                 out = self._esft_out[: piece.numel()].view(piece.shape)
                 torch.add(self._esft_master[name][vslices].contiguous(), piece, alpha=sigma, out=out)
                 self._esft_params[name].data[vslices].copy_(out)
+        self._esft_repack(self._esft_master)
+
+    def _esft_hf_master(self, shape, blocks) -> torch.Tensor:
+        """The HF-shaped float32 master of one tensor (elements of other ranks: 0). Low-rank
+        arithmetic is elementwise in the master, so each rank's elements come out exact."""
+        whole = torch.zeros(shape, dtype=torch.float32, device=self._esft_device)
+        for name, vslices, hslices in blocks:
+            whole[hslices] = self._esft_master[name][vslices]
+        return whole
+
+    def _esft_perturb_lowrank(self, seed: int, sigma: float) -> None:
+        """θ ← master + σ·A·Bᵀ/√r per matrix (esft.es.lowrank.perturbed_matrix); other tensors frozen."""
+        for index, shape, blocks in self._esft_trainable:
+            if perturbs(self._esft_scheme, shape):
+                whole = lowrank.perturbed_matrix(self._esft_hf_master(shape, blocks), seed, index, sigma,
+                                                 self._esft_rank, self._esft_generator)
+                for name, vslices, hslices in blocks:
+                    self._esft_params[name].data[vslices].copy_(whole[hslices])
         self._esft_repack(self._esft_master)
 
     @torch.no_grad()
@@ -244,6 +272,13 @@ class ESWorkerExtension:
         would not be finite, θ is left alone, the master is put back from it, and the names of the
         offending vLLM tensors are returned (else [])."""
         for index, shape, blocks in self._esft_trainable:
+            if self._esft_scheme in LOW_RANK_SCHEMES:
+                if perturbs(self._esft_scheme, shape):  # one matmul of the members' factors, on the HF matrix
+                    whole = self._esft_hf_master(shape, blocks)
+                    lowrank.accumulate_update(whole, index, seeds, coefficients, self._esft_rank, self._esft_generator)
+                    for name, vslices, hslices in blocks:
+                        self._esft_master[name][vslices].copy_(whole[hslices])
+                continue
             total = torch.zeros(shape, dtype=torch.float32, device=self._esft_device)
             for seed, coefficient in zip(seeds, coefficients, strict=True):
                 total.add_(self._esft_draw(seed, index, shape), alpha=coefficient)
