@@ -81,6 +81,31 @@ def test_adapters_are_the_transformers_perturbation_and_give_its_completions(low
         changed += completions.texts != base.texts
     assert changed >= 1  # the adapters reach the forward pass
     assert engine.generate(PROMPTS) == base  # the base weights were never touched
+    assert engine.generate_population(PROMPTS, seeds, SIGMA) == members  # deterministic, with new adapters
+
+
+def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(lowrank, tmp_path):
+    from esft.config import ESConfig
+    from esft.trainer import ESTrainer
+
+    engine, _, _ = lowrank
+    base = engine.master_state()
+
+    def run(resume=None):
+        args = ESConfig(engine="vllm", noise="lowrank", rank=RANK, iterations=3, population_size=4, batch_size=4,
+                        max_tokens=MAX_TOKENS, sigma=0.2, eval_batch_size=4, save_every=1, logging="none",
+                        progress=False, output_dir=str(tmp_path), run_name="run", seed=0)
+        trainer = ESTrainer(model=engine, reward_funcs=[byte_reward], args=args, train_dataset=toy_rows(12),
+                            eval_dataset=toy_rows(4, start=1000))
+        trainer.train(resume_from_checkpoint=resume)
+        assert trainer.executor.population_batching is True  # members as adapters
+        return engine.master_state()
+
+    uninterrupted = run()
+    assert any(not torch.equal(uninterrupted[name], base[name]) for name in base)
+    engine.load_master_state(base)  # a fresh process would start from the model's weights
+    resumed = run(resume=str(tmp_path / "run" / "checkpoint-1"))
+    assert all(torch.equal(resumed[name], uninterrupted[name]) for name in uninterrupted)
 
 
 def test_population_matches_transformers_over_updates_with_fresh_adapters(lowrank):
@@ -105,3 +130,80 @@ def test_population_matches_transformers_over_updates_with_fresh_adapters(lowran
         assert all(torch.equal(master[name], reference.master[name]) for name in master)
     assert engine._next_adapter_id == first_id + 2 * len(seeds)  # every member of every iteration: a new adapter
     assert engine.generate(PROMPTS) == reference.generate(PROMPTS)
+
+
+@pytest.mark.slow
+def test_cli_trains_the_demo_with_vllm_lowrank_adapters(tmp_path):
+    """`esft train --engine vllm --noise lowrank` on the embedded model's Countdown demo, a tiny budget
+    (its own engine, ~2 min on 2 shared cores): the held-out reward rises and final/ loads."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "esft.cli", "train", "--engine", "vllm", "--noise", "lowrank", "--rank", "1",
+         "--gpu-memory-utilization", "0.1", "--iterations", "6", "--population-size", "16", "--batch-size", "32",
+         "--eval-size", "64", "--train-size", "200", "--save-every", "0", "--logging", "none", "--no-progress",
+         "--output-dir", str(tmp_path), "--run-name", "demo"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "one at a time" not in proc.stderr  # the population ran as adapters
+    frozen = [line for line in proc.stderr.splitlines() if "linear-layer matrices vLLM serves as LoRA" in line]
+    assert len(frozen) == 1 and "frozen: model.embed_tokens.weight" in frozen[0]
+    rows = [json.loads(line) for line in (tmp_path / "demo" / "metrics.jsonl").read_text().splitlines()]
+    before, after = rows[0]["eval/heldout/reward"], rows[-1]["eval/heldout/reward"]
+    assert after > before + 0.02, (before, after)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "demo" / "final") is not None
+
+
+@pytest.mark.slow
+def test_ray_actors_each_serve_their_share_as_adapters_of_their_own_engine(tmp_path):
+    """`--executor ray --workers 2 --engine vllm --noise lowrank`: two actors, one vLLM engine each,
+    each evaluating its share of the population as adapters; the same rewards and bit-identical
+    weights as the transformers engine running the same algorithm in this process."""
+    ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
+    from test_ray import toy_task
+    from tiny_model import build_tiny_model
+
+    from esft.config import ESConfig
+    from esft.es.batches import prompt_batch
+    from esft.executors.ray_executor import RayExecutor
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)
+    args = ESConfig(model=str(path), executor="ray", workers=2, engine="vllm", noise="lowrank", rank=RANK,
+                    max_model_len=256, gpu_memory_utilization=0.1, population_size=6, batch_size=4, max_tokens=12,
+                    sigma=SIGMA, logging="none", progress=False)
+    task = toy_task()
+    executor = RayExecutor(args, task, str(path))
+    try:
+        assert executor.population_batching is True  # auto: members as adapters on every actor
+        pattern = r"\.(down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)\.weight$"
+        reference = hf_engine(path, noise="lowrank", rank=RANK, trainable=pattern)
+        reference.max_tokens = 12
+        local = LocalExecutor(reference, lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids),
+                              SIGMA, population_batching=True)
+        for iteration in range(2):
+            seeds = strategy.ask(strategy.ESState(0, iteration), 6)
+            rows = prompt_batch(task.train_dataset, 0, args.batch_size, iteration)
+            ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
+            assert ours == [m.reward for m in local.evaluate_population(seeds, rows)]
+            assert len(set(ours)) > 1
+            _, coefficients = strategy.tell(strategy.ESState(0, iteration), ours, 0.5)
+            executor.update(seeds, coefficients)
+            local.update(seeds, coefficients)
+        master = executor.engine.master_state()
+        assert set(master) == set(reference.master)
+        assert all(torch.equal(master[n], reference.master[n]) for n in master)
+    finally:
+        executor.close()
+        if started:
+            ray.shutdown()

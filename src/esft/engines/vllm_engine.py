@@ -6,6 +6,11 @@ and names cross process boundaries. ES semantics (float32 master, bit-exact rest
 accumulation, i.i.d./correlated noise, `--trainable`) and noise are those of the transformers
 engine, HF tensor by HF tensor, so the same seed perturbs both engines identically.
 
+Low-rank noise (`--noise lowrank`): the engine starts with LoRA enabled and evaluates a population
+as LoRA adapters, every member's requests in one `generate` (`generate_population`, the
+PopulationEngine contract of esft.engines.base; esft.engines.vllm_adapters); it perturbs only the
+matrices vLLM serves as LoRA (linear layers) and freezes the rest, on the adapter and in-place paths alike.
+
 Checkpoints stay `from_pretrained`-loadable: the float32 master is gathered in Hugging Face layout
 (vLLM's fused qkv_proj / gate_up_proj are split back into q/k/v and gate/up) and written into the
 original HF model, which is loaded on this process only while saving.

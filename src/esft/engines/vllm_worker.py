@@ -18,6 +18,8 @@ transformers engine.
 ES semantics are the transformers engine's: a float32 master of every vLLM parameter that holds
 trainable elements; perturb = master + σ·ε rounded once to the model dtype; restore = copy of the
 master (bit-exact); update = Σ cᵢ·εᵢ accumulated in float32 per HF tensor, added to the master.
+Low-rank noise: perturb and update are esft.es.lowrank's on each HF matrix (the transformers
+engine's arithmetic), and members can be served as LoRA adapters instead (esft.engines.vllm_adapters).
 
 CPU repacking. On CPU, vLLM repacks every linear weight for oneDNN (or its small-GEMM kernel) after
 loading, and drops `layer.weight`; a forward pass then never reads the parameter we change. This
