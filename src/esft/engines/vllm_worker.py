@@ -37,7 +37,7 @@ from collections.abc import Sequence
 
 import torch
 
-from esft.engines.vllm_adapters import AdapterWorker, lora_unwrapped
+from esft.engines.vllm_adapters import AdapterWorker, LoRAESWorker, lora_unwrapped
 from esft.es import lowrank
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 
@@ -97,7 +97,7 @@ def _bounding_block(mask: torch.Tensor) -> tuple[slice, ...]:
     return tuple(slices)
 
 
-class ESWorkerExtension(AdapterWorker):
+class ESWorkerExtension(AdapterWorker, LoRAESWorker):
     """Mixed into vLLM's worker class; every public name starts with esft_ (no clash with vLLM)."""
 
     # ------------------------------------------------------------- set-up

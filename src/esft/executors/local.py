@@ -33,13 +33,14 @@ class MemberResult:
 def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool:
     """Whether members are evaluated batched, from --population-batching: True needs the model to pass
     the batched path's self-check (`problem()` says why not: a ConfigError); "auto" is on for the
-    transformers engine when it passes and for `--engine vllm --noise lowrank` (members as LoRA
-    adapters), else off with the reason said in one line; False is off."""
+    transformers engine when it passes and for `--engine vllm` with `--noise lowrank` or LoRA-ES
+    (members as LoRA adapters), else off with the reason said in one line; False is off."""
     wanted = args.population_batching
     if wanted is False or args.algorithm != "es" or args.iterations == 0:  # no ES members to evaluate
         return False
-    if wanted == "auto" and args.engine != "transformers" and not (args.engine == "vllm" and args.noise == "lowrank"):
-        return False  # vLLM batches members itself only as LoRA adapters (low-rank noise)
+    adapters = args.engine == "vllm" and (args.noise == "lowrank" or args.uses_lora())
+    if wanted == "auto" and args.engine != "transformers" and not adapters:
+        return False  # vLLM batches members itself only as LoRA adapters (low-rank noise, LoRA-ES)
     reason = problem()
     if reason is None:
         return True

@@ -1,0 +1,79 @@
+"""Issue 21: seconds per ES iteration on one vLLM engine (CPU wheel, float32), three ways of
+evaluating the same members × prompts rows, rounds alternating:
+
+- one member at a time: perturb in place (low-rank), generate the member's prompts, restore;
+- the adapter population: every member a LoRA adapter, ONE generate (esft's --engine vllm --noise lowrank);
+- plain batched generation of the same members × prompts rows without adapters (this engine's limit).
+
+Also the agreement of the adapter members' completions with the transformers engine's low-rank
+population path (same seeds), as in vllm_agreement.py.
+
+    OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --model embedded --prompts 32 --population 30 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded", help="embedded, or a model directory")
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--population", type=int, default=30)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sigma", type=float, default=1e-3)
+    opts = parser.parse_args()
+
+    from esft.config import embedded_model_path
+    from esft.engines.population import generate_population
+    from esft.engines.transformers_engine import TransformersEngine
+    from esft.engines.vllm_adapters import servable_pattern
+    from esft.engines.vllm_engine import VLLMEngine
+
+    path = str(embedded_model_path()) if opts.model == "embedded" else opts.model
+    prompts = [f"Using the numbers [{i} {i + 3} {2 * i + 1}], create an equation that equals {3 * i + 4}." for i in
+               range(opts.prompts)]
+    engine = VLLMEngine(path, noise="lowrank", rank=1, max_tokens=opts.max_tokens, max_loras=min(opts.population, 64),
+                        gpu_memory_utilization=0.2)
+    seeds = list(range(1000, 1000 + opts.population))
+    times: dict[str, list[float]] = {"one_at_a_time": [], "adapters": [], "plain_batched": []}
+    for _ in range(opts.rounds):
+        start = time.perf_counter()
+        for seed in seeds:
+            engine.perturb(seed, opts.sigma)
+            engine.generate(prompts)
+            engine.restore()
+        times["one_at_a_time"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        members = engine.generate_population(prompts, seeds, opts.sigma)
+        times["adapters"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        engine.generate(prompts * len(seeds))
+        times["plain_batched"].append(time.perf_counter() - start)
+    reference = TransformersEngine.from_pretrained(path, device="cpu", noise="lowrank", rank=1, max_tokens=opts.max_tokens,
+                                                   trainable=servable_pattern(engine.hf_params, engine.adapter_indices))
+    expected = generate_population(reference, prompts, seeds, opts.sigma)
+    same = sum(a == b for m, e in zip(members, expected) for a, b in zip(m.token_ids, e.token_ids))
+    engine.close()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    ratios = [a / b for a, b in zip(times["adapters"], times["plain_batched"])]
+    print(json.dumps({
+        "model": opts.model, "prompts": opts.prompts, "population": opts.population, "rounds": opts.rounds,
+        "seconds": times, "median": median,
+        "speedup_adapters_vs_one_at_a_time": median["one_at_a_time"] / median["adapters"],
+        "adapters_over_plain_batched": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "completions_identical_to_transformers": f"{same}/{len(seeds) * len(prompts)}",
+    }, indent=1))
+
+
+if __name__ == "__main__":
+    main()
