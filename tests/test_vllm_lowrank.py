@@ -50,6 +50,9 @@ def test_one_line_says_what_is_frozen_and_both_engines_perturb_the_same_matrices
     with pytest.raises(NoTrainableParameters, match="cannot serve as LoRA"):  # the embedding is not servable
         engine.configure(trainable="embed_tokens|q_proj", noise="lowrank")
     assert smallest_lora_rank(1) == 1 and smallest_lora_rank(2) == 8 and smallest_lora_rank(9) == 16
+    # vLLM 0.32 keys prefix-cache blocks by (lora_name, lora_path) only; requests without an adapter
+    # would share blocks across base-weight updates: the cache stays off, so no member reuses another's KV.
+    assert engine.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching is False
 
 
 def test_adapters_are_the_transformers_perturbation_and_give_its_completions(lowrank):
