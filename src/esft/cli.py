@@ -92,7 +92,8 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     reasons = []
     if settings.get("engine", "transformers") != "transformers":
         reasons.append((f"--engine {settings['engine']}", ("noise", "rank", "population_batching"),
-                        "low-rank noise and population batching are transformers-engine paths"))
+                        "measured on the transformers engine; on vLLM, --noise lowrank serves members as LoRA "
+                        "adapters of the linear layers only: ask for it"))
     lora = settings.get("lora_r") or settings.get("lora_adapter")
     if lora:  # LoRA-ES: the adapter is small, its full-rank noise batches per member (esft.engines.adapter_population)
         reasons.append(("--lora-r" if settings.get("lora_r") else "--lora-adapter", ("noise", "rank"),
