@@ -219,7 +219,7 @@ def test_a_killed_server_costs_failures_a_restarted_one_is_picked_up_a_full_one_
     assert (scores.errors, scores.failures, scores.total) == (3, 3, [-7.0] * 3)  # counted, failure reward
     # the batch call tried 3 times (retries=2); the runner's sample-by-sample retries failed at once
     assert remote.stats["requests"] == 1 + 3 and remote.stats["failed_calls"] == 1 and remote.stats["fast_failures"] == 3
-    with pytest.raises(RewardServiceError, match=rf"failed 3 attempts .*{port}/score: ConnectError"):
+    with pytest.raises(RewardServiceError, match=rf"could not reach the reward service in 3 attempts .*{port}/score: cannot connect \(ConnectError"):
         remote_reward(url, retries=2, backoff=0.1)(["a"], ["b"])
 
     patient = remote_reward(url, retries=40, backoff=0.25, max_backoff=0.5)  # up to ~20 s of retries

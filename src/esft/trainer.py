@@ -15,6 +15,9 @@ from esft.es import strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ESConfig, model_path
+from esft import console
+from esft.console import say
+from esft.reward_faults import skip_failing
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.lora import export_merged, uses_adapter
@@ -60,6 +63,7 @@ class ESTrainer:
         if args.logging != "none":
             check_backend(args.logging)
         self.rewards, self.accuracy = reward_runners(self.task, args)
+        self._skip_failing = skip_failing(args, self.rewards.names)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
         self.executor = build_executor(args, self.task, self.rewards.score,
                                        lambda: self._build_engine(model, processing_class), model)
@@ -139,6 +143,7 @@ class ESTrainer:
         try:
             return self._train()
         finally:
+            console.detach()
             if self._logger is not None:
                 self._logger.close()
             self.close()
@@ -193,13 +198,14 @@ class ESTrainer:
         stop = budget_spent(args, self._budget)
         final = iteration >= args.iterations or stop is not None
         if stop and iteration < args.iterations:
-            print(f"esft: {stop} at iteration {iteration} of {args.iterations}: stopping (the final evaluation and "
-                  "final/ follow)", file=sys.stderr)
+            say(f"esft: {stop} at iteration {iteration} of {args.iterations}: stopping (the final evaluation and "
+                "final/ follow)")
+        self._logger.log(row)  # before the evaluation: an evaluation that fails must not lose the training row
         if final or (args.eval_every and iteration % args.eval_every == 0):
             row |= self._evaluate_or_stop(iteration, "the weights are in")
+            self._logger.log(row)  # merged into the training row
             if final:
                 _report("after", row)
-        self._logger.log(row)
         if args.save_every and iteration % args.save_every == 0:
             self._save(self.run_dir / f"checkpoint-{iteration}")
             prune_checkpoints(self.run_dir, args.save_total_limit)
@@ -228,10 +234,11 @@ class ESTrainer:
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
     def _stop_if_unscorable(self, batches: Sequence[Scores], first: bool) -> None:
-        """RewardError when a reward function failed on every sample of the first iteration, or every
-        function on every sample of a later one (`batches`: the iteration's scores; no update is
-        applied; a checkpoint of the weights before this iteration is written, unless the run is at
-        its very start)."""
+        """RewardError when a reward function failed on every sample of this iteration (`batches`: its
+        scores; `first`: kept for callers, the rule is the same for every iteration): training on the
+        other rewards alone would change the objective. No update is applied; a checkpoint of the
+        weights before this iteration is written, unless the run is at its very start. Functions named
+        by --reward-skip-failing are left out of the iteration's rewards instead, said on one line."""
         for name in self.rewards.names:
             total = self.failure_totals.setdefault(name, {"failed": 0, "samples": 0, "first": None})
             total["samples"] += sum(len(scores.total) for scores in batches)
@@ -239,9 +246,13 @@ class ESTrainer:
             found = next((scores.first_failure[name] for scores in batches if name in scores.first_failure), None)
             total["first"] = total["first"] or found
         failing = failing_everywhere(batches)
-        if failing and (first or len(failing) == len(self.rewards.names)):
-            name, failure = next(iter(failing.items()))
+        skipped = {name: failure for name, failure in failing.items() if name in self._skip_failing}
+        if len(failing) > len(skipped) or (failing and len(failing) == len(self.rewards.names)):
+            name, failure = next((n, f) for n, f in failing.items() if n not in skipped or len(skipped) == len(failing))
             raise RewardError(name, failure, f"iteration {self.state.iteration + 1}", self._stop_checkpoint())
+        for name, failure in skipped.items():
+            say(f"esft: iteration {self.state.iteration + 1}: reward function {name} failed on every sample "
+                f"({failure.message}); trained on the other rewards (--reward-skip-failing {name})")
 
     def _stop_checkpoint(self, what: str = "the weights from before it are in") -> str:
         """Write checkpoint-<iteration> (unless the run has not trained yet) and say how to go on."""
@@ -273,8 +284,8 @@ class ESTrainer:
             if total["failed"]:
                 summary[f"rewards/{name}/failures_total"] = total["failed"]
                 first = total["first"]
-                print(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
-                      + (f" (first: {first.message})" if first else ""), file=sys.stderr)
+                say(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
+                    + (f" (first: {first.message})" if first else ""))
         if summary:
             summary["reward/failures_total"] = sum(summary.values())
         return summary
@@ -375,5 +386,7 @@ def _report(when: str, metrics: dict[str, float]) -> None:
 def _progress(args: ESConfig, start: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
-                disable=not args.progress or args.iterations == 0)
+    bar = tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
+               disable=not args.progress or args.iterations == 0)
+    console.attach(bar)  # status lines go above it, waiting for a reward service into it (esft.console)
+    return bar

@@ -39,7 +39,10 @@ PROMPT_SOURCE = "_prompt_source"
 """Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
 functions receive the original, as in TRL; it is never passed as a column)."""
 FAILURE_KINDS = {"error": "raised an exception", "invalid": "returned something other than numbers",
-                 "timeout": "timed out", "crash": "killed its worker process"}
+                 "timeout": "timed out", "crash": "killed its worker process",
+                 "service": "got no scores from its reward service"}
+SERVICE_ERROR = "RewardServiceError"
+"""esft.rewards.remote's exception (named, not imported: the runner stays apart from the HTTP client)."""
 
 
 def reward_name(func: RewardFunc) -> str:
@@ -261,7 +264,8 @@ class RewardRunner:
         if call.errors:
             # the batch call's own error names the real lengths ("returned 0 values for 4 completions")
             message = call.batch_error or next(iter(call.errors.values()))
-            failure = Failure("error" if call.traceback else "invalid", message, call.traceback)
+            kind = "service" if message.startswith(SERVICE_ERROR + ":") else "error" if call.traceback else "invalid"
+            failure = Failure(kind, message.removeprefix(SERVICE_ERROR + ": "), call.traceback)
             self._log_once(name, "error", message)
         elif call.batch_error:
             self._log_once(name, "batch failure", f"the batch call failed ({call.batch_error}) but every "
