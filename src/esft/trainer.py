@@ -17,7 +17,7 @@ from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ESConfig, model_path
 from esft import console
 from esft.console import say
-from esft.reward_faults import skip_failing
+from esft.reward_faults import skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.lora import export_merged, uses_adapter
@@ -158,7 +158,10 @@ class ESTrainer:
             seeds = strategy.ask(self.state, args.population_size)
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
             self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
-            state, coefficients = strategy.tell(self.state, [member.reward for member in members], args.alpha, args.reward_shaping)
+            rewards = [member.reward for member in members]
+            stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
+                                f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
+            state, coefficients = strategy.tell(self.state, rewards, args.alpha, args.reward_shaping)
             self._update(seeds, coefficients)
             self.state = state
             last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started))
