@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from esft.reward_faults import stop_if_unshapeable
 from esft.rewards.runner import RewardError, RewardRunner, Scores
 
 TESTS = Path(__file__).parent
@@ -125,6 +124,8 @@ def test_rewards_near_the_float_limit_stop_the_run_in_one_line(tiny_model_dir, t
 
 
 def test_rewards_whose_spread_overflows_stop_with_the_one_line_rule():
+    from esft.reward_faults import stop_if_unshapeable
+
     scores = [Scores(total=[v], per_function={"huge": [v]}) for v in (1e308, -1e308)]
     assert scores[0].mean() == 1e308
     with pytest.raises(RewardError) as caught:
