@@ -9,14 +9,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from esft.es import strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ESConfig, model_path
 from esft import console
 from esft.console import say
+from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo.baseline imports them here
 from esft.reward_faults import skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
@@ -26,7 +25,8 @@ from esft.executors import build_executor
 from esft.files import make_temporary_dir
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
-from esft.rewards.runner import RewardError, Scores, failing_everywhere, mean_of, reward_runners
+from esft.runs.report_data import write_status
+from esft.rewards.runner import RewardError, Scores, failing_everywhere, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
@@ -140,9 +140,16 @@ class ESTrainer:
         if self.run is None:
             resume = resume_from_checkpoint or args.resume
             self.run = open_run(args, find_resume_point(resume) if resume else None)
+        status = "interrupted"  # Ctrl-C (KeyboardInterrupt) leaves it so
         try:
-            return self._train()
+            result = self._train()
+            status = "stopped: budget" if self.state.iteration < args.iterations else "complete"
+            return result
+        except Exception:
+            status = "stopped: error"
+            raise
         finally:
+            write_status(self.run_dir, status)  # what esft report says of the run
             console.detach()
             if self._logger is not None:
                 self._logger.close()
@@ -330,46 +337,6 @@ class ESTrainer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-
-def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Scores], tokens: int, elapsed: float,
-                  budget: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """One iteration's metrics.jsonl row and the budget spent after it. `rewards`: what the update
-    used (ES: one per member; GRPO: one per completion); `batches`: the iteration's Scores (ES: one
-    per member; GRPO: the generation batch); `tokens`: generated for training."""
-    values = np.array(rewards, dtype=float)
-    completions = sum(len(scores.total) for scores in batches)
-    budget = {"completions": budget["completions"] + completions, "tokens": budget["tokens"] + tokens,
-              "seconds": budget["seconds"] + elapsed}
-    row = {
-        "iteration": iteration,
-        "reward/mean": float(values.mean()),
-        "reward/std": float(values.std()),
-        "reward/min": float(values.min()),
-        "reward/max": float(values.max()),
-        "completions/mean_length": tokens / completions,
-        "perf/iteration_s": elapsed,
-        "perf/tokens_per_s": tokens / elapsed,
-        "reward/failures": sum(scores.failures for scores in batches),
-        "reward/errors": sum(scores.errors for scores in batches),
-        "reward/timeouts": sum(scores.timeouts for scores in batches),
-        **{f"budget/{key}": value for key, value in budget.items()},
-    }
-    for name in batches[0].per_function:
-        present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
-        row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
-        row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
-    return row, budget
-
-
-def budget_spent(args: ESConfig, budget: dict[str, float]) -> str | None:
-    """Why training stops early: --budget-completions or --budget-tokens reached by `budget`
-    (metrics.jsonl's budget/*), said in words; None while neither is."""
-    for kind in ("completions", "tokens"):
-        limit = getattr(args, f"budget_{kind}")
-        if limit is not None and budget[kind] >= limit:
-            return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
-    return None
 
 
 def _cpu_copy(model: Any) -> Any:
