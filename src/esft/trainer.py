@@ -150,6 +150,8 @@ class ESTrainer:
             raise
         finally:
             write_status(self.run_dir, status)  # what esft report says of the run
+            if self._progress is not None:
+                self._progress.close()  # an error line after this starts on a line of its own
             console.detach()
             if self._logger is not None:
                 self._logger.close()
