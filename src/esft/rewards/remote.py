@@ -163,7 +163,8 @@ class RemoteReward:
                     break
         finally:
             self._wait_notice(None, started, unreachable)
-        problem = "could not reach the reward service" if unreachable else "the reward service did not score"
+        problem = ("the reward service did not score" if not unreachable else "could not reach the reward service"
+                   if ": cannot connect (" in last else "the reward service did not answer")
         message = f"{problem} in {sent} attempts over {time.monotonic() - started:.1f}s; last: {last}"
         self._count("failed_calls")
         self._failing_until, self._last_failure = time.monotonic() + self.cooldown, message
