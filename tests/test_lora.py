@@ -203,6 +203,25 @@ def test_eval_of_the_adapter_the_run_and_the_merged_model_agree(cli_run, lively_
     assert lines["adapter"] == lines["run"] == lines["merged"] != lines["base"]
 
 
+def test_eval_takes_the_runs_settings_however_its_lora_result_is_named(cli_run, lively_model_dir, tmp_path):
+    """Issue 25: `--model BASE --lora-adapter RUN/final` and `--model RUN/final-merged` used the
+    defaults (other data, 64 tokens); every form must take the run's settings and say which it used."""
+    results = {}
+    for name, model in (("run", ["--model", str(cli_run / "final")]),
+                        ("adapter", ["--model", str(lively_model_dir), "--lora-adapter", str(cli_run / "final")]),
+                        ("merged", ["--model", str(cli_run / "final-merged")])):
+        proc = esft("eval", *model, "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", name,
+                    cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        (line,) = [line for line in proc.stderr.splitlines() if line.startswith("esft eval: evaluating with")]
+        assert "max_tokens=6" in line and "eval.jsonl" in line and "task=custom" in line, line
+        (row,) = [json.loads(r) for r in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        results[name] = {k: v for k, v in row.items() if k.startswith("eval/")}
+    trained = [json.loads(r) for r in (cli_run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert results["run"] == results["adapter"] == {k: v for k, v in trained.items() if k.startswith("eval/")}
+    assert results["merged"] == pytest.approx(results["run"], abs=1e-6)
+
+
 def test_a_run_can_start_from_an_adapter(cli_run, lively_model_dir):
     engine = build_engine(ESConfig(model=str(lively_model_dir), lora_adapter=str(cli_run / "checkpoint-2"), device="cpu"))
     stored = load_file(str(cli_run / "checkpoint-2" / "master.safetensors"))

@@ -165,7 +165,7 @@ def test_page_is_well_formed_and_self_contained_for_a_killed_run(tmp_path):
     assert {p.name for p in run_dir.glob("report-*.png")} == {
         "report-reward.png", "report-heldout.png", "report-throughput.png", "report-failures.png"}
     assert "<title>esft report: killed</title>" in text
-    assert "stopped at iteration 4 of 10" in text
+    assert "interrupted at iteration 4 of 10" in text  # killed: it recorded no end
     assert "skipped 2 unreadable line(s)" in text and "line 4, 8" in text
     assert "25.0% → 75.0%" in text  # held-out accuracy, first → last
 
@@ -264,7 +264,7 @@ def test_an_interrupted_training_writes_its_report_and_says_where(tiny_model_dir
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.splitlines()[-1].endswith(f"; report: {run_dir / 'report.html'}")
     text = check_page(run_dir / "report.html")
-    assert "stopped at iteration 1 of 5" in text
+    assert "interrupted at iteration 1 of 5" in text
     assert [row["iteration"] for row in metrics_of(run_dir)] == [0, 1]
 
 
@@ -281,3 +281,52 @@ def test_cli_report_overlays_runs_and_rejects_a_directory_that_is_not_a_run(tmp_
     assert re.search(r'<tr class="differs"><th>seed</th><td class="num">0</td><td class="num">1</td></tr>', text)
     proc, _ = esft("report", "a", str(tmp_path), cwd=tmp_path)
     assert_user_error(proc, f"{tmp_path}: not a run directory (no metrics.jsonl)")
+
+
+# ----------------------------------------------------------- ES beside GRPO, and how runs ended (issue 25)
+GRPO_CONFIG = CONFIG | {"algorithm": "grpo", "learning_rate": 1e-6, "num_generations": 4, "beta": 0.0,
+                        "population_size": 30, "sigma": 0.001, "noise": "lowrank"}
+
+
+def test_grpo_beside_es_shows_each_algorithms_own_settings_and_captions(tmp_path):
+    es = make_run(tmp_path / "es", config=CONFIG | {"algorithm": "es", "learning_rate": 1e-5, "num_generations": 8})
+    grpo = make_run(tmp_path / "grpo", config=GRPO_CONFIG)
+    runs = load_runs([es, grpo])
+    from esft.runs.report_data import differing_settings, run_labels
+
+    differing = differing_settings(runs)
+    assert differing[0] == "algorithm"  # first, so the legend names it
+    # ES-only settings of the GRPO run (population, σ, noise) and GRPO-only settings of the ES run are not "differs"
+    assert not {"population_size", "sigma", "noise", "learning_rate", "num_generations"} & set(differing), differing
+    assert run_labels(runs, differing)["grpo"].startswith("grpo (algorithm=grpo")
+    figure = build_figures(runs)["reward"]
+    artist(figure, "es|reward/band")  # ES's band over members' means ...
+    assert not [a for a in figure.axes[0].collections if a.get_gid() == "grpo|reward/band"]  # ... GRPO's is not on it
+    text = check_page(write_report([es, grpo], tmp_path / "cmp.html"))
+    assert "GRPO runs, per optimizer step" in text and "n/a (grpo)" in text and "n/a (es)" in text
+    only_grpo = check_page(write_report([grpo], tmp_path / "grpo.html"))
+    assert "over members" not in only_grpo and "per ES iteration" not in only_grpo
+    assert "per GRPO optimizer step" in only_grpo
+
+
+def test_the_report_says_how_a_real_run_ended(tiny_model_dir, tmp_path):
+    """A run stopped by its budget at iteration 2 of 6 was labelled `complete`; one that stopped on an
+    error looked like a killed one."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Q{i}:"}) + "\n" for i in range(8)))
+    (tmp_path / "rewards.py").write_text("calls = 0\n\ndef breaks(prompts, completions, **kwargs):\n    global calls\n"
+                                         "    calls += 1\n    if calls > 3:\n        raise ValueError('down')\n"
+                                         "    return [float(len(c)) for c in completions]\n\n"
+                                         "def fine(prompts, completions, **kwargs):\n"
+                                         "    return [float(len(c)) for c in completions]\n")
+    common = ["--model", str(tiny_model_dir), *TINY, "--no-reward-sandbox", "--train-data", str(data), "--eval-data",
+              str(data), "--iterations", "6", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path)]
+    budget, _ = esft("train", *common, "--reward-funcs", "rewards.py:fine", "--budget-completions", "8",
+                     "--run-name", "budget", cwd=tmp_path)  # 2 members x 2 prompts per iteration
+    assert budget.returncode == 0, budget.stderr[-2000:]
+    assert [row["iteration"] for row in metrics_of(tmp_path / "budget")] == [0, 1, 2]
+    text = check_page(tmp_path / "budget" / "report.html")
+    assert "stopped: budget at iteration 2 of 6" in text and ">complete<" not in text
+    broken, _ = esft("train", *common, "--reward-funcs", "rewards.py:breaks", "--run-name", "broken", cwd=tmp_path)
+    assert broken.returncode == 2, broken.stderr[-2000:]
+    assert "stopped: error at iteration 1 of 6" in check_page(tmp_path / "broken" / "report.html")

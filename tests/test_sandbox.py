@@ -173,7 +173,9 @@ def test_closures_run_in_workers_and_only_the_unpicklable_run_in_process(runner,
 
 # ---------------------------------------------------------------- a run that continues
 def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
-    """One function crashes or hangs on some iterations while another scores: the run goes on."""
+    """One function crashes or hangs on some iterations while another scores: with
+    --reward-skip-failing naming it the run goes on, and says so at each such iteration (without the
+    flag it would stop there: tests/test_reward_faults.py)."""
     order = np.random.default_rng([0, 1, 0]).permutation(4)  # the first epoch's order (esft.es.batches)
     prompts = [""] * 4
     for position, prompt in zip(order, ["a", "CRASH me", "HANG me", "b"]):  # iterations 1..4 see them in turn
@@ -188,7 +190,7 @@ def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
          "--eval-data", str(tmp_path / "eval.jsonl"), "--reward-funcs", funcs,
          "--population-size", "2", "--batch-size", "1", "--iterations", "4", "--max-tokens", "3", "--reward-timeout", "1",
          "--failure-reward", "-5", "--logging", "none", "--no-progress", "--save-every", "0", "--output-dir",
-         str(tmp_path), "--run-name", "run"],
+         str(tmp_path), "--run-name", "run", "--reward-skip-failing", "misbehaves_on_prompt"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -202,6 +204,8 @@ def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
     assert rows[-1]["eval/eval/reward"] >= 3.0  # the eval row scores normally: len("c") + 2, plus its length
     assert proc.stderr.count("misbehaves_on_prompt: worker process exited with code 1") == 1
     assert proc.stderr.count("misbehaves_on_prompt: no result within 1 s") == 1
+    skipped = [line.split(":")[1].strip() for line in proc.stderr.splitlines() if "--reward-skip-failing" in line]
+    assert skipped == ["iteration 2", "iteration 3"]
     # the end of the run says how it went
     assert "reward function misbehaves_on_prompt failed on 4 of 8 samples" in proc.stderr
     assert "reward failures: 4 samples got the failure reward" in proc.stdout

@@ -106,7 +106,7 @@ def test_a_service_that_never_answers_times_out_and_is_retried():
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         remote = remote_reward(url, timeout=0.3, retries=1, backoff=0.1)
         started = time.monotonic()
-        with pytest.raises(RewardServiceError, match=r"failed 2 attempts .*/score: ReadTimeout"):
+        with pytest.raises(RewardServiceError, match=r"did not answer in 2 attempts .*/score: no answer \(ReadTimeout"):
             remote(["a"], ["b"])
         assert 0.6 <= time.monotonic() - started < 5 and remote.stats["requests"] == 2
         with pytest.raises(RewardServiceError, match="not retried for 10s"):  # the cooldown: fails at once
@@ -219,7 +219,7 @@ def test_a_killed_server_costs_failures_a_restarted_one_is_picked_up_a_full_one_
     assert (scores.errors, scores.failures, scores.total) == (3, 3, [-7.0] * 3)  # counted, failure reward
     # the batch call tried 3 times (retries=2); the runner's sample-by-sample retries failed at once
     assert remote.stats["requests"] == 1 + 3 and remote.stats["failed_calls"] == 1 and remote.stats["fast_failures"] == 3
-    with pytest.raises(RewardServiceError, match=rf"failed 3 attempts .*{port}/score: ConnectError"):
+    with pytest.raises(RewardServiceError, match=rf"could not reach the reward service in 3 attempts .*{port}/score: cannot connect \(ConnectError"):
         remote_reward(url, retries=2, backoff=0.1)(["a"], ["b"])
 
     patient = remote_reward(url, retries=40, backoff=0.25, max_backoff=0.5)  # up to ~20 s of retries

@@ -13,12 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
+from esft.eval_origin import run_settings_of, settings_line
 
 USER_ERROR = 2
-EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
-                 "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
-                 "dtype", "reward_sandbox", "reward_timeout", "reward_memory_mb", "reward_workers", "failure_reward")
-"""What `esft eval --model RUN/final` takes from the run's settings (flags override)."""
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
@@ -222,22 +219,6 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
-def _run_settings_of(model: str) -> tuple[dict[str, Any], Path] | None:
-    """The settings of the run whose checkpoint or final directory `model` is, if it is one."""
-    from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
-
-    path = Path(model).expanduser()
-    if not is_checkpoint(path):
-        return None
-    try:
-        config = read_state(path)["config"]
-    except CheckpointError:
-        return None
-    inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
-    inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
-    return inherited, path
-
-
 def resolve_config(command: str, given: dict[str, Any]):
     """checkpoint's config (when resuming; for eval: the evaluated run's) < --config YAML < flags.
     Returns (ESConfig, the demo preset's settings that `train` added, the ResumePoint or None)."""
@@ -262,7 +243,8 @@ def resolve_config(command: str, given: dict[str, Any]):
             raise UserError(f"--algorithm: {resume} was trained with --algorithm {trained_with}; resume it with that "
                             "algorithm, or start a new run")
     model = given.get("model", from_yaml.get("model"))
-    if command == "eval" and model and (found := _run_settings_of(model)):
+    adapter = given.get("lora_adapter", from_yaml.get("lora_adapter"))
+    if command == "eval" and (model or adapter) and (found := run_settings_of(model, adapter)):
         inherited, path = found
         overridden = set(from_yaml) | set(given)
         settings |= inherited
@@ -352,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"{error} (set by the demo preset {preset_flags(preset)}; give the flag yourself, e.g. "
                                 "--noise iid for the paper's full-rank noise or --no-population-batching)") from None
             raise UserError(str(error)) from None
+        if args.command == "eval":  # every time: which task, data, size and tokens these numbers are for
+            print(settings_line(config), file=sys.stderr)
         if preset:
             print(f"esft: demo preset: {preset_flags(preset)} (the fastest setting that keeps the demo's accuracy gain; "
                   "a flag you give overrides its value, --noise iid gives the paper's full-rank noise)", file=sys.stderr)

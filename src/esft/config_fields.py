@@ -201,9 +201,9 @@ class RunFields:
         "rewards",
         "Run user reward functions in sandbox worker processes (timeout, memory cap, crash isolation); "
         "functions that cannot be imported by name (a script's, a notebook's, lambdas, closures) are sent "
-        "by value with cloudpickle. Built-in task rewards always run in-process. A function that fails on "
-        "every sample of the first iteration, or an iteration in which every function fails on every "
-        "sample, stops the run (exit 2; a checkpoint to --resume from is written first).",
+        "by value with cloudpickle. Built-in task rewards always run in-process. A reward function that fails "
+        "on every sample of an iteration stops the run (exit 2; a checkpoint to --resume from is written "
+        "first), unless --reward-skip-failing names it.",
         default=True,
     )
     reward_timeout: float = _in(
@@ -312,5 +312,23 @@ class RunFields:
         "members x prompts go to ONE generate call; this many adapters run per scheduler step (vLLM's "
         "max_loras). Default: the population size (all members at once), at most 64. Full-rank noise: "
         "members run one at a time (each holds its own full weights).",
+        default=None,
+    )
+
+    # ---- reward faults (issue 25): fields added after the sections above keep their order
+    reward_url_deadline: float = _in(
+        "rewards",
+        "Seconds a --reward-url call keeps retrying a service that does not answer (refused connection, timeout, "
+        "408/429/5xx), pausing 0.5 s, 1 s, 2 s, ... (at most 10 s) between tries: enough to ride out a restart. "
+        "Then that call's samples fail, which stops the run (see --reward-skip-failing).",
+        default=60.0,
+    )
+    reward_skip_failing: str | None = _in(
+        "rewards",
+        "Reward functions (names as in rewards/<name>/mean, e.g. remote:127.0.0.1:8000; comma-separated or "
+        "repeated) that an iteration may train without when they fail on every sample of it; each such iteration "
+        "says so. Default: any reward function that fails on every sample of an iteration stops the run before "
+        "its update (exit 2; a checkpoint to --resume from is written first).",
+        repeatable=True,
         default=None,
     )

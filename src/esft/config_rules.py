@@ -96,6 +96,8 @@ def check(config) -> None:
                           f"--reward-funcs/--reward-model/--reward-url build their own task from --train-data/--eval-data; "
                           f"drop --task {config.task}" if config.custom_rewards() else "--task custom needs --reward-funcs module:function")
     _check_reward_services(config)
+    if not config.reward_url_deadline >= 0:
+        raise ConfigError("reward_url_deadline", f"must be >= 0 seconds, got {config.reward_url_deadline}")
     if not config.reward_timeout > 0:
         raise ConfigError("reward_timeout", f"must be > 0 seconds, got {config.reward_timeout}")
     if not config.temperature >= 0:

@@ -9,12 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from esft.es import strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ESConfig, model_path
+from esft import console
+from esft.console import say
+from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo.baseline imports them here
+from esft.reward_faults import skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.lora import export_merged, uses_adapter
@@ -23,7 +25,8 @@ from esft.executors import build_executor
 from esft.files import make_temporary_dir
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
-from esft.rewards.runner import RewardError, Scores, failing_everywhere, mean_of, reward_runners
+from esft.runs.report_data import write_status
+from esft.rewards.runner import RewardError, Scores, failing_everywhere, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
@@ -60,6 +63,7 @@ class ESTrainer:
         if args.logging != "none":
             check_backend(args.logging)
         self.rewards, self.accuracy = reward_runners(self.task, args)
+        self._skip_failing = skip_failing(args, self.rewards.names)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
         self.executor = build_executor(args, self.task, self.rewards.score,
                                        lambda: self._build_engine(model, processing_class), model)
@@ -137,9 +141,19 @@ class ESTrainer:
         if self.run is None:
             resume = resume_from_checkpoint or args.resume
             self.run = open_run(args, find_resume_point(resume) if resume else None)
+        status = "interrupted"  # Ctrl-C (KeyboardInterrupt) leaves it so
         try:
-            return self._train()
+            result = self._train()
+            status = "stopped: budget" if self.state.iteration < args.iterations else "complete"
+            return result
+        except Exception:
+            status = "stopped: error"
+            raise
         finally:
+            write_status(self.run_dir, status)  # what esft report says of the run
+            if self._progress is not None:
+                self._progress.close()  # an error line after this starts on a line of its own
+            console.detach()
             if self._logger is not None:
                 self._logger.close()
             self.close()
@@ -154,7 +168,10 @@ class ESTrainer:
             seeds = strategy.ask(self.state, args.population_size)
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
             self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
-            state, coefficients = strategy.tell(self.state, [member.reward for member in members], args.alpha, args.reward_shaping)
+            rewards = [member.reward for member in members]
+            stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
+                                f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
+            state, coefficients = strategy.tell(self.state, rewards, args.alpha, args.reward_shaping)
             self._update(seeds, coefficients)
             self.state = state
             last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started))
@@ -194,13 +211,14 @@ class ESTrainer:
         stop = budget_spent(args, self._budget)
         final = iteration >= args.iterations or stop is not None
         if stop and iteration < args.iterations:
-            print(f"esft: {stop} at iteration {iteration} of {args.iterations}: stopping (the final evaluation and "
-                  "final/ follow)", file=sys.stderr)
+            say(f"esft: {stop} at iteration {iteration} of {args.iterations}: stopping (the final evaluation and "
+                "final/ follow)")
+        self._logger.log(row)  # before the evaluation: an evaluation that fails must not lose the training row
         if final or (args.eval_every and iteration % args.eval_every == 0):
             row |= self._evaluate_or_stop(iteration, "the weights are in")
+            self._logger.log(row)  # merged into the training row
             if final:
                 _report("after", row)
-        self._logger.log(row)
         if args.save_every and iteration % args.save_every == 0:
             self._save(self.run_dir / f"checkpoint-{iteration}")
             prune_checkpoints(self.run_dir, args.save_total_limit)
@@ -229,10 +247,11 @@ class ESTrainer:
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
     def _stop_if_unscorable(self, batches: Sequence[Scores], first: bool) -> None:
-        """RewardError when a reward function failed on every sample of the first iteration, or every
-        function on every sample of a later one (`batches`: the iteration's scores; no update is
-        applied; a checkpoint of the weights before this iteration is written, unless the run is at
-        its very start)."""
+        """RewardError when a reward function failed on every sample of this iteration (`batches`: its
+        scores; `first`: kept for callers, the rule is the same for every iteration): training on the
+        other rewards alone would change the objective. No update is applied; a checkpoint of the
+        weights before this iteration is written, unless the run is at its very start. Functions named
+        by --reward-skip-failing are left out of the iteration's rewards instead, said on one line."""
         for name in self.rewards.names:
             total = self.failure_totals.setdefault(name, {"failed": 0, "samples": 0, "first": None})
             total["samples"] += sum(len(scores.total) for scores in batches)
@@ -240,9 +259,13 @@ class ESTrainer:
             found = next((scores.first_failure[name] for scores in batches if name in scores.first_failure), None)
             total["first"] = total["first"] or found
         failing = failing_everywhere(batches)
-        if failing and (first or len(failing) == len(self.rewards.names)):
-            name, failure = next(iter(failing.items()))
+        skipped = {name: failure for name, failure in failing.items() if name in self._skip_failing}
+        if len(failing) > len(skipped) or (failing and len(failing) == len(self.rewards.names)):
+            name, failure = next((n, f) for n, f in failing.items() if n not in skipped or len(skipped) == len(failing))
             raise RewardError(name, failure, f"iteration {self.state.iteration + 1}", self._stop_checkpoint())
+        for name, failure in skipped.items():
+            say(f"esft: iteration {self.state.iteration + 1}: reward function {name} failed on every sample "
+                f"({failure.message}); trained on the other rewards (--reward-skip-failing {name})")
 
     def _stop_checkpoint(self, what: str = "the weights from before it are in") -> str:
         """Write checkpoint-<iteration> (unless the run has not trained yet) and say how to go on."""
@@ -274,8 +297,8 @@ class ESTrainer:
             if total["failed"]:
                 summary[f"rewards/{name}/failures_total"] = total["failed"]
                 first = total["first"]
-                print(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
-                      + (f" (first: {first.message})" if first else ""), file=sys.stderr)
+                say(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
+                    + (f" (first: {first.message})" if first else ""))
         if summary:
             summary["reward/failures_total"] = sum(summary.values())
         return summary
@@ -319,46 +342,6 @@ class ESTrainer:
             raise
 
 
-def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Scores], tokens: int, elapsed: float,
-                  budget: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """One iteration's metrics.jsonl row and the budget spent after it. `rewards`: what the update
-    used (ES: one per member; GRPO: one per completion); `batches`: the iteration's Scores (ES: one
-    per member; GRPO: the generation batch); `tokens`: generated for training."""
-    values = np.array(rewards, dtype=float)
-    completions = sum(len(scores.total) for scores in batches)
-    budget = {"completions": budget["completions"] + completions, "tokens": budget["tokens"] + tokens,
-              "seconds": budget["seconds"] + elapsed}
-    row = {
-        "iteration": iteration,
-        "reward/mean": float(values.mean()),
-        "reward/std": float(values.std()),
-        "reward/min": float(values.min()),
-        "reward/max": float(values.max()),
-        "completions/mean_length": tokens / completions,
-        "perf/iteration_s": elapsed,
-        "perf/tokens_per_s": tokens / elapsed,
-        "reward/failures": sum(scores.failures for scores in batches),
-        "reward/errors": sum(scores.errors for scores in batches),
-        "reward/timeouts": sum(scores.timeouts for scores in batches),
-        **{f"budget/{key}": value for key, value in budget.items()},
-    }
-    for name in batches[0].per_function:
-        present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
-        row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
-        row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
-    return row, budget
-
-
-def budget_spent(args: ESConfig, budget: dict[str, float]) -> str | None:
-    """Why training stops early: --budget-completions or --budget-tokens reached by `budget`
-    (metrics.jsonl's budget/*), said in words; None while neither is."""
-    for kind in ("completions", "tokens"):
-        limit = getattr(args, f"budget_{kind}")
-        if limit is not None and budget[kind] >= limit:
-            return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
-    return None
-
-
 def _cpu_copy(model: Any) -> Any:
     import copy
 
@@ -376,5 +359,7 @@ def _report(when: str, metrics: dict[str, float]) -> None:
 def _progress(args: ESConfig, start: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
-                disable=not args.progress or args.iterations == 0)
+    bar = tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
+               disable=not args.progress or args.iterations == 0)
+    console.attach(bar)  # status lines go above it, waiting for a reward service into it (esft.console)
+    return bar

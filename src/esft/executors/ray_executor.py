@@ -69,7 +69,7 @@ class RayExecutor:
         self._started_ray = False
         if not ray.is_initialized():
             if args.ray_address:
-                ray.init(address=args.ray_address, log_to_driver=False)
+                join_cluster(args.ray_address)
             else:
                 ray.init(include_dashboard=False, log_to_driver=False,
                          num_cpus=max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
@@ -338,3 +338,33 @@ class RayEngine:
 
     def close(self) -> None:
         self._executor.close()
+
+
+def join_cluster(address: str, connect_timeout: float = 5.0) -> None:
+    """ray.init(address=...) or one line (ConfigError, exit 2) naming the address and how to start a
+    cluster: a host:port that refuses connections is found out in seconds (Ray itself retries for
+    minutes, then raises with a traceback)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hint = ("start one with `ray start --head` (then --ray-address auto, or the address it prints), or leave "
+            "--ray-address out to start a local Ray instance")
+    if address not in ("auto", "local"):
+        parts = urlsplit(address if "://" in address else f"ray://{address}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise ConfigError("ray_address", f"{address!r} is not host:port, ray://host:port or auto; {hint}")
+        try:
+            socket.create_connection((parts.hostname, port), timeout=connect_timeout).close()
+        except OSError as error:
+            raise ConfigError("ray_address", f"no Ray cluster answers at {address} ({error.strerror or error}); "
+                              f"{hint}") from None
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except Exception as error:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
+        message = " ".join(str(error).split())[:300]
+        raise ConfigError("ray_address", f"cannot join the Ray cluster at {address} ({type(error).__name__}: "
+                          f"{message}); {hint}") from None

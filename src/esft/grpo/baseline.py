@@ -9,9 +9,8 @@ What is esft's and what is TRL's:
   each row's index; text prompts are tokenized as esft's engines tokenize them (no special tokens
   added), so both algorithms train on the same tokens.
 - TRL gets one reward function that scores through esft's RewardRunner: the same sandbox, failure
-  reward, counting and stop rules (a function failing on every sample of the first generation
-  batch, or every function on every sample of a later one, stops the run with RewardError after a
-  checkpoint). GRPO needs a number per completion: a completion no function scored gets
+  reward, counting and stop rules (a function failing on every sample of a generation batch stops
+  the run with RewardError after a checkpoint, unless --reward-skip-failing names it). GRPO needs a number per completion: a completion no function scored gets
   --failure-reward.
 - esft's callback writes one metrics.jsonl row per optimizer step (the ES keys, reward statistics
   over the step's completions, budget/*, and TRL's grpo/loss, grpo/kl, ...), evaluates, saves

@@ -5,8 +5,9 @@ server that answers `POST /score {"prompts": [...], "completions": [...]}` with 
 client needs no sandbox). It splits a call into requests of `batch_size` completions sent in parallel
 (`concurrency`), spreads them round-robin over several URLs (replicas of one service; a URL that
 refused a connection is tried last until it answers again), and tries every URL in turn on
-connection errors, timeouts and 408/429/5xx answers, then again after a pause, `retries` times, the
-pause doubling from `backoff` seconds. It raises RewardServiceError with the last error when
+connection errors, timeouts and 408/429/5xx answers, then again after a pause, `retries` times (or,
+with a `deadline`, until that many seconds have passed), the pause doubling from `backoff` seconds;
+the progress bar says while it waits (esft.console). It raises RewardServiceError with the last error when
 every retry failed, or at once for any other 4xx (a request the service will never accept): the
 reward runner then counts those samples as failed and gives them the failure reward. After a call
 failed every retry, calls fail at once for `cooldown` seconds, so a dead service costs one round of
@@ -46,19 +47,20 @@ class RemoteReward:
 
     def __init__(self, urls: str | Sequence[str], api_key: str | None = None, *, batch_size: int = 64,
                  timeout: float = 60.0, retries: int = 3, backoff: float = 0.5, max_backoff: float = 10.0,
-                 cooldown: float = 10.0, concurrency: int = 4, name: str | None = None):
+                 cooldown: float = 10.0, concurrency: int = 4, name: str | None = None,
+                 deadline: float | None = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("remote_reward needs at least one URL")
         for url in urls:
             if problem := url_problem(url):
                 raise ValueError(problem)
-        if batch_size < 1 or retries < 0 or concurrency < 1 or not timeout > 0:
-            raise ValueError("remote_reward: batch_size and concurrency must be >= 1, retries >= 0, timeout > 0")
+        if batch_size < 1 or retries < 0 or concurrency < 1 or not timeout > 0 or (deadline is not None and not deadline >= 0):
+            raise ValueError("remote_reward: batch_size and concurrency must be >= 1, retries >= 0, timeout > 0, deadline >= 0")
         self.urls = [service_base(url) for url in urls]
         self.api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
         self.batch_size, self.timeout, self.retries, self.concurrency = batch_size, timeout, retries, concurrency
-        self.backoff, self.max_backoff, self.cooldown = backoff, max_backoff, cooldown
+        self.backoff, self.max_backoff, self.cooldown, self.deadline = backoff, max_backoff, cooldown, deadline
         self.__name__ = name or "remote:" + "+".join(urlsplit(url).netloc for url in self.urls)
         setattr(self, TRUSTED_ATTRIBUTE, True)
         self.stats = {"requests": 0, "retries": 0, "failed_calls": 0, "fast_failures": 0}
@@ -75,7 +77,7 @@ class RemoteReward:
 
     def __getstate__(self) -> dict[str, Any]:  # a copy in another process opens its own connections
         return {k: v for k, v in self.__dict__.items() if k in ("urls", "api_key", "batch_size", "timeout", "retries",
-                "concurrency", "backoff", "max_backoff", "cooldown", "__name__", "stats", TRUSTED_ATTRIBUTE)}
+                "concurrency", "backoff", "max_backoff", "cooldown", "deadline", "__name__", "stats", TRUSTED_ATTRIBUTE)}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -116,41 +118,68 @@ class RemoteReward:
         return self.request("GET", "/health")
 
     def request(self, method: str, path: str, payload: Any = None) -> Any:
-        """One request with retries over the URLs; the answer's JSON. RewardServiceError on failure."""
+        """One request with retries over the URLs; the answer's JSON. RewardServiceError on failure.
+        Retries `retries` rounds, or with a `deadline` until that many seconds have passed; while it
+        waits, the progress bar says so (esft.console)."""
         import httpx
 
-        started, sent, last = time.monotonic(), 0, ""
+        started, sent, round_, last, unreachable = time.monotonic(), 0, 0, "", True
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-        for round_ in range(self.retries + 1):
-            if round_:
-                time.sleep(min(self.backoff * 2 ** (round_ - 1), self.max_backoff))
-            for url in self._rotation():
-                self._count("requests", retry=sent > 0)
-                sent += 1
-                try:
-                    response = self._http().request(method, url + path, json=payload, headers=headers)
-                except httpx.TransportError as error:
-                    with self._lock:
-                        self._refused[url] = time.monotonic()
-                    last = f"{url}{path}: {type(error).__name__}: {str(error) or 'no answer'}"
-                    continue
-                with self._lock:
-                    self._refused.pop(url, None)
-                if response.status_code == 200:
+        try:
+            while True:
+                if round_:
+                    pause = min(self.backoff * 2 ** (round_ - 1), self.max_backoff)
+                    if self.deadline is not None:
+                        pause = min(pause, max(0.0, started + self.deadline - time.monotonic()))
+                    self._wait_notice(last, started, unreachable)
+                    time.sleep(pause)
+                for url in self._rotation():
+                    self._count("requests", retry=sent > 0)
+                    sent += 1
                     try:
-                        answer = response.json()
-                    except ValueError:
-                        raise RewardServiceError(f"reward service {url}{path} answered with something that is not "
-                                                 f"JSON: {response.text[:200]!r}") from None
-                    self._failing_until = 0.0
-                    return answer
-                last = f"{url}{path}: HTTP {response.status_code}: {_detail(response)}"
-                if response.status_code not in RETRIED_STATUSES:
-                    raise RewardServiceError(f"reward service refused the request: {last}")
-        message = f"reward service failed {sent} attempts in {time.monotonic() - started:.1f}s; last: {last}"
+                        response = self._http().request(method, url + path, json=payload, headers=headers)
+                    except httpx.TransportError as error:
+                        with self._lock:
+                            self._refused[url] = time.monotonic()
+                        what = "cannot connect" if isinstance(error, httpx.ConnectError) else "no answer"
+                        last = f"{url}{path}: {what} ({type(error).__name__}: {str(error) or 'no answer'})"
+                        continue
+                    with self._lock:
+                        self._refused.pop(url, None)
+                    if response.status_code == 200:
+                        try:
+                            answer = response.json()
+                        except ValueError:
+                            raise RewardServiceError(f"reward service {url}{path} answered with something that is "
+                                                     f"not JSON: {response.text[:200]!r}") from None
+                        self._failing_until = 0.0
+                        return answer
+                    last, unreachable = f"{url}{path}: HTTP {response.status_code}: {_detail(response)}", False
+                    if response.status_code not in RETRIED_STATUSES:
+                        raise RewardServiceError(f"reward service refused the request: {last}")
+                round_ += 1
+                if (round_ > self.retries if self.deadline is None
+                        else time.monotonic() - started >= self.deadline):
+                    break
+        finally:
+            self._wait_notice(None, started, unreachable)
+        problem = ("the reward service did not score" if not unreachable else "could not reach the reward service"
+                   if ": cannot connect (" in last else "the reward service did not answer")
+        message = f"{problem} in {sent} attempts over {time.monotonic() - started:.1f}s; last: {last}"
         self._count("failed_calls")
         self._failing_until, self._last_failure = time.monotonic() + self.cooldown, message
         raise RewardServiceError(message)
+
+    def _wait_notice(self, last: str | None, started: float, unreachable: bool) -> None:
+        """Say in the progress bar that this service is being waited for (None: no longer)."""
+        from esft import console
+
+        if last is None:
+            console.waiting(self.__name__, None)
+            return
+        limit = f" of {self.deadline:g}s" if self.deadline is not None else ""
+        state = "unreachable" if unreachable else "failing"
+        console.waiting(self.__name__, f"{self.__name__} {state}, retrying ({time.monotonic() - started:.0f}s{limit})")
 
     def _rotation(self) -> list[str]:
         """Every URL once, round-robin from call to call; URLs that refused a connection go last
@@ -198,7 +227,9 @@ def remote_reward(urls: str | Sequence[str], api_key: str | None = None, **optio
     """A TRL-style reward function scored over HTTP by the reward service at `urls` (one URL, or
     several replicas of one service, load-balanced). `api_key` defaults to $ESFT_REWARD_API_KEY.
     Options: batch_size (completions per request, 64), timeout (seconds per request, 60), retries (3),
-    backoff (first retry delay in seconds, doubled each retry, 0.5; at most max_backoff, 10),
+    deadline (seconds to keep retrying instead of a number of retries: `esft train --reward-url` uses
+    --reward-url-deadline, 60), backoff (first retry delay in seconds, doubled each retry, 0.5; at most
+    max_backoff, 10),
     cooldown (seconds calls fail at once after a call failed every retry, 10), concurrency (requests
     in flight per call, 4), name (metrics name, default remote:<host:port>)."""
     return RemoteReward(urls, api_key, **options)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +40,11 @@ PROMPT_SOURCE = "_prompt_source"
 """Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
 functions receive the original, as in TRL; it is never passed as a column)."""
 FAILURE_KINDS = {"error": "raised an exception", "invalid": "returned something other than numbers",
-                 "timeout": "timed out", "crash": "killed its worker process"}
+                 "timeout": "timed out", "crash": "killed its worker process",
+                 "service": "got no scores from its reward service",
+                 "overflow": "gave rewards too large to average or shape in float64"}
+SERVICE_ERROR = "RewardServiceError"
+"""esft.rewards.remote's exception (named, not imported: the runner stays apart from the HTTP client)."""
 
 
 def reward_name(func: RewardFunc) -> str:
@@ -79,7 +84,11 @@ class Scores:
         """Mean over scored samples; the failure reward when no sample was scored (so one member
         cannot poison the population's statistics)."""
         values = [v for v in self.total if v is not None]
-        return sum(values) / len(values) if values else self.failure_reward
+        if not values:
+            return self.failure_reward
+        mean = sum(values) / len(values)
+        # finite rewards near the float limit (1e308 each) overflow a plain sum: scale first
+        return mean if math.isfinite(mean) else sum(v / len(values) for v in values)
 
 
 def failing_everywhere(batches: Sequence[Scores]) -> dict[str, Failure]:
@@ -252,16 +261,19 @@ class RewardRunner:
 
     def _values(self, name: str, outcome: Outcome, n: int) -> tuple[list[float | None], dict[int, str], Failure | None]:
         """One function's values, failed samples and first failure, logging each kind once."""
+        printed = "".join(f"\n    {line}" for line in outcome.output.strip().splitlines()[-20:])
+        detail = lambda text: (text + "\n" if text else "") + "  what it printed last:" + printed if printed else text  # noqa: E731
         if not outcome.ok:
             kind = {"timeout": "timeout", "crash": "crash"}.get(outcome.kind, "error")
             self._log_once(name, "timeout" if kind == "timeout" else "error", outcome.message)
-            return [None] * n, dict.fromkeys(range(n), outcome.message), Failure(kind, outcome.message, outcome.traceback)
+            return [None] * n, dict.fromkeys(range(n), outcome.message), Failure(kind, outcome.message, detail(outcome.traceback))
         call = RewardCall(*outcome.value)
         failure = None
         if call.errors:
             # the batch call's own error names the real lengths ("returned 0 values for 4 completions")
             message = call.batch_error or next(iter(call.errors.values()))
-            failure = Failure("error" if call.traceback else "invalid", message, call.traceback)
+            kind = "service" if message.startswith(SERVICE_ERROR + ":") else "error" if call.traceback else "invalid"
+            failure = Failure(kind, message.removeprefix(SERVICE_ERROR + ": "), detail(call.traceback))
             self._log_once(name, "error", message)
         elif call.batch_error:
             self._log_once(name, "batch failure", f"the batch call failed ({call.batch_error}) but every "

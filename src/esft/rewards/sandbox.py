@@ -1,19 +1,30 @@
-"""Run untrusted code (user reward functions, math checks) in worker processes.
+"""Run reward code in worker processes, so that its failures cost only the samples concerned.
+
+What is contained: exceptions, wrong return values, hangs (a per-job deadline), memory exhaustion
+(RLIMIT_AS per worker, `memory_mb`), crashes (os._exit, segfaults, the OOM killer), a forkserver
+killed by user code, replies forged by forked copies, output (captured, only a bounded tail kept
+for error messages: esft.rewards.containment), and child processes, also ones that detach with
+`setsid` or a double fork (each worker is a child subreaper and its whole tree is stopped and
+killed when it is retired, times out, or the trainer ends). What is NOT contained: the worker runs
+as the trainer's user with its environment variables, files, network and GPU, so reward code can
+read, write or delete anything that user can, open connections, or signal other processes of that
+user. It is a guard against careless code, not a security boundary for hostile code: run code you
+do not trust in a container or VM.
 
 A `WorkerPool` keeps up to `workers` long-lived processes (forkserver context on Linux, spawn
 elsewhere: never a fork of the torch-laden trainer, and never a re-run of the user's main program).
 Each job is one call `target(*args, **kwargs)` with a deadline; targets and callables among the
 arguments are `esft.rewards.usercode` Shipped values (by reference, or cloudpickled by value: sent once per
 worker, then named by key). A job that raises comes back as an error (with the traceback lines in
-the user's code); one that passes its deadline has its worker's whole process group killed
-(SIGKILL: children it started die too); one whose worker dies (os._exit, a segfault, the kernel's
-OOM killer) comes back as a crash. Dead or killed workers are replaced on the next job, and a dead
-forkserver is restarted, so the caller never stalls.
+the user's code and the tail of its output); one that passes its deadline has its worker's whole
+tree killed; one whose worker dies comes back as a crash. Dead or killed workers are replaced on the
+next job, and a dead forkserver is restarted, so the caller never stalls.
 
 Every job carries an id and every reply names it: a reply that belongs to no job in flight (a
 forked copy of a worker answering twice) is dropped. Workers lead their own process group, cap
-their address space with RLIMIT_AS (`memory_mb`), ignore Ctrl-C (the trainer handles it), and a
-watchdog thread kills the group when the trainer process ends, however it ends (even SIGKILL).
+their address space with RLIMIT_AS (`memory_mb`; a cap above the process's hard limit is lowered
+to it, said in one warning), ignore Ctrl-C (the trainer handles it), and a watchdog thread kills
+their tree when the trainer process ends, however it ends (even SIGKILL).
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+from esft.rewards.containment import OutputTail, applicable_memory_mb, become_subreaper, kill_tree
 from esft.rewards.usercode import ByValue, describe, resolve, user_traceback, worker_sys_path
 
 STARTUP_TIMEOUT = 120.0
@@ -51,6 +63,8 @@ class Outcome:
     message: str = ""
     traceback: str = ""
     """For errors: the traceback lines in the user's code (esft's own frames left out)."""
+    output: str = ""
+    """The last lines the job printed (stdout and stderr, at most containment.OUTPUT_TAIL bytes)."""
 
     @property
     def ok(self) -> bool:
@@ -60,17 +74,22 @@ class Outcome:
 # ---------------------------------------------------------------------------------- worker side
 def _watch_parent(liveness) -> None:
     """Block until the trainer's end of `liveness` closes (the trainer exited or closed the pool),
-    then kill this worker's process group: the worker and whatever it started."""
+    then kill this worker's tree and process group: the worker and whatever it started."""
     try:
         liveness.recv()
     except (EOFError, OSError):
         pass
-    os.killpg(0, signal.SIGKILL)
+    try:
+        kill_tree(os.getpid())
+    finally:
+        os.killpg(0, signal.SIGKILL)
 
 
 def _worker_main(conn, liveness, memory_mb: int, preload: Sequence[str], sys_path: Sequence[str],
                  environ: dict[str, str]) -> None:
     os.setpgid(0, 0)  # lead a process group: a timeout kills the worker and every child it started
+    become_subreaper()  # children that detach (setsid, double fork) stay below the worker, to be killed with it
+    output = OutputTail()  # a reward's prints never reach the trainer's stdout; an error keeps their tail
     threading.Thread(target=_watch_parent, args=(liveness,), daemon=True, name="esft-watchdog").start()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if memory_mb:
@@ -99,18 +118,20 @@ def _worker_main(conn, liveness, memory_mb: int, preload: Sequence[str], sys_pat
         if message is None:
             return
         job_id, target, args, kwargs = message
+        output.take()  # what earlier jobs printed is not this job's
         try:
             reply = (job_id, "ok", resolve(target)(*args, **kwargs), False, "")
         except MemoryError as error:
             reply = (job_id, "error", describe(error), True, user_traceback(error))  # the heap may be broken: recycle
         except BaseException as error:  # noqa: BLE001 - SystemExit from user code is a failure too
             reply = (job_id, "error", describe(error), False, user_traceback(error))
+        reply = (*reply, output.take())  # the tail of what the job printed, for error messages
         if os.getpid() != pid:
             os._exit(0)  # a copy made by os.fork() in user code: only the worker itself answers
         try:
             conn.send(reply)
         except Exception as error:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send((job_id, "error", f"result could not be sent back: {describe(error)}", False, ""))
+            conn.send((job_id, "error", f"result could not be sent back: {describe(error)}", False, "", reply[5]))
 
 
 # ---------------------------------------------------------------------------------- parent side
@@ -143,8 +164,10 @@ class _Worker:
         """Its forkserver died (user code can kill it): its exit can then only be seen as the pipe's EOF."""
 
     def kill(self) -> None:
-        """SIGKILL the worker's process group (it and its children), then the worker itself."""
+        """SIGKILL the worker's tree (it and every descendant, detached ones included), its process
+        group, then the worker itself."""
         pid = self.process.pid
+        kill_tree(pid)
         try:
             os.killpg(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError, OSError):
@@ -203,7 +226,7 @@ class WorkerPool:
 
     def __init__(self, workers: int = 2, memory_mb: int = 0, preload: Sequence[str] = (), context=None):
         self.size = max(1, workers)
-        self.memory_mb = memory_mb
+        self.memory_mb = applicable_memory_mb(memory_mb)
         self.preload = tuple(preload)
         self.context = context or default_context()
         self.workers: list[_Worker] = []
@@ -301,11 +324,12 @@ class WorkerPool:
             if message[0] == "ready":
                 worker.ready = True
                 continue
-            job_id, kind, value, recycle, detail = message
+            job_id, kind, value, recycle, detail, printed = message
             if worker.job is None or job_id != worker.job_id:
                 self.strays += 1  # not the job in flight: a duplicate from a forked copy, or late
                 continue
-            outcomes[worker.job] = Outcome("ok", value) if kind == "ok" else Outcome("error", message=value, traceback=detail)
+            outcomes[worker.job] = (Outcome("ok", value, output=printed) if kind == "ok" else
+                                    Outcome("error", message=value, traceback=detail, output=printed))
             if kind == "ok":
                 worker.known.update(worker.pending_keys)
             worker.job = None
@@ -349,8 +373,10 @@ class WorkerPool:
 def _kill_all(workers: list[_Worker], liveness_writer) -> None:
     for worker in workers:
         if worker.process is not None:
+            kill_tree(worker.process.pid)
             try:
                 os.killpg(worker.process.pid, signal.SIGKILL)
             except OSError:
                 pass
     liveness_writer.close()
+

@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from esft.files import write_text_atomic
+
 METRICS_FILE = "metrics.jsonl"
 
 
@@ -54,11 +56,20 @@ class MetricsLogger:
         return budget
 
     def log(self, row: dict[str, Any]) -> None:
-        """Append one row (must hold `iteration`); a row is written with one write call and flushed."""
+        """Write one row (must hold `iteration`): appended with one write call and flushed, or, when
+        the file's last row has the same iteration (the training row written before its evaluation,
+        or before a resumed run's final evaluation), merged into that row (the file rewritten
+        atomically): one row per iteration, the same keys as an uninterrupted run's."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        with open(self.path, "a") as handle:
-            handle.write(json.dumps(clean) + "\n")
-            handle.flush()
+        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines() if self.path.exists() else []
+        last = _row(lines[-1]) if lines else None
+        if last is not None and last.get("iteration") == clean["iteration"]:
+            clean = {k: v for k, v in clean.items() if last.get(k) != v or k == "iteration"}  # only what is new
+            write_text_atomic(self.path, "".join(line + "\n" for line in lines[:-1]) + json.dumps(last | clean) + "\n")
+        else:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(clean) + "\n")
+                handle.flush()
         step = row["iteration"]
         scalars = {k: v for k, v in clean.items() if k != "iteration" and isinstance(v, (int, float)) and v is not None}
         if self._writer is not None:

@@ -26,6 +26,7 @@ from esft.runs.report_data import (
     held_out_keys,
     load_runs,
     run_labels,
+    setting_of,
 )
 
 if TYPE_CHECKING:
@@ -44,6 +45,27 @@ CAPTIONS = {
     "failures": "Reward values replaced by --failure-reward per iteration, one per (function, sample): "
                 "failures = errors + timeouts.",
 }
+
+
+GRPO_CAPTIONS = {
+    "reward": "Training reward per optimizer step: mean over the step's completions (line) and min–max over "
+              "single completions (band).",
+    "throughput": "Generated tokens per second and seconds per GRPO optimizer step.",
+}
+MIXED_CAPTIONS = {
+    "reward": "Training reward. ES runs, per iteration: population mean (line) and min–max over members' mean "
+              "rewards (band). GRPO runs, per optimizer step: mean over the step's completions (line only: their "
+              "min–max is over single completions, not comparable with an ES band).",
+    "throughput": "Generated tokens per second, and seconds per ES iteration or per GRPO optimizer step.",
+}
+
+
+def captions(runs: list[Run]) -> dict[str, str]:
+    """Each figure's caption, in the terms of the runs' algorithms (ES iterations and members, GRPO steps)."""
+    algorithms = {run.algorithm for run in runs}
+    if algorithms == {"grpo"}:
+        return CAPTIONS | GRPO_CAPTIONS
+    return CAPTIONS | MIXED_CAPTIONS if "grpo" in algorithms else CAPTIONS
 
 
 def default_out(run_dirs: list[str | Path]) -> Path:
@@ -101,7 +123,9 @@ def build_figures(runs: list[Run]) -> dict[str, Figure]:
         figures["heldout"] = _held_out_figure(runs, held_out, labels, colors)
     if any(run.series("perf/tokens_per_s")[0] for run in trained):
         figures["throughput"] = _grid_figure(trained, ["perf/tokens_per_s", "perf/iteration_s"],
-                                             ["tokens per second", "seconds per iteration"], labels, colors)
+                                             ["tokens per second", "seconds per iteration (GRPO: per step)"
+                                              if any(run.algorithm == "grpo" for run in runs) else
+                                              "seconds per iteration"], labels, colors)
     failure_keys = [key for key in FAILURE_KEYS if any(run.series(key)[0] for run in trained)]
     if failure_keys:
         figures["failures"] = _grid_figure(trained, failure_keys, [key.split("/")[1] for key in failure_keys],
@@ -158,10 +182,14 @@ def _reward_figure(runs: list[Run], labels: dict[str, str], colors: dict[str, st
         _, high = run.series("reward/max", rows)
         axis.plot(iterations, mean, color=colors[run.name], marker="o", markersize=3, label=labels[run.name],
                   gid=f"{run.name}|reward/mean")
-        if len(low) == len(high) == len(iterations):
+        # GRPO's min–max is over single completions, ES's over members' means: not one band's scale
+        comparable = run.algorithm == "es" or all(other.algorithm == "grpo" for other in runs)
+        if comparable and len(low) == len(high) == len(iterations):
             axis.fill_between(iterations, low, high, color=colors[run.name], alpha=0.18, linewidth=0,
                               gid=f"{run.name}|reward/band")
-    axis.set(xlabel="iteration", ylabel="reward", title="reward: mean, min–max band")
+    steps = {"es": "iteration", "grpo": "optimizer step"}
+    axis.set(xlabel=" / ".join(dict.fromkeys(steps.get(run.algorithm, "iteration") for run in runs)), ylabel="reward",
+             title="reward: mean, min–max band")
     return _finish(figure, labels, runs, colors)
 
 
@@ -267,7 +295,7 @@ def render_html(runs: list[Run], images: dict[str, bytes]) -> str:
         if name in images:
             data = base64.b64encode(images[name]).decode("ascii")
             parts.append(f'<figure><img src="data:image/png;base64,{data}" alt="{_e(title)}">'
-                         f"<figcaption>{_e(CAPTIONS[name])}</figcaption></figure>")
+                         f"<figcaption>{_e(captions(runs)[name])}</figcaption></figure>")
         else:
             parts.append("<p>Not recorded by " + ("any of these runs" if len(runs) > 1 else "this run")
                          + (" (no evaluation)." if name == "heldout" else " (no ES iteration).") + "</p>")
@@ -297,7 +325,7 @@ def _table(runs: list[Run], rows: list[tuple[str, str, list[str]]]) -> str:
 def _summary_table(runs: list[Run], differing: list[str]) -> str:
     """The settings that differ (highlighted) and each run's final numbers."""
     rows = [("", "status", [_e(run.status) for run in runs])]
-    rows += [("differs", key, [_e(run.config.get(key, "—")) for run in runs]) for key in differing]
+    rows += [("differs", key, [_e(setting_of(run, key)) for run in runs]) for key in differing]
     rows.append(("", "last iteration", [str(run.last_iteration) for run in runs]))
     rows.append(("", "final reward mean", [_number(_last(run.series("reward/mean", run.iteration_rows)[1]))
                                            for run in runs]))
@@ -320,7 +348,7 @@ def _settings_table(runs: list[Run], differing: list[str]) -> str:
     keys: dict[str, None] = {}
     for run in runs:
         keys |= dict.fromkeys(run.config)
-    return _table(runs, [("differs" if key in differing else "", key, [_e(run.config.get(key, "—")) for run in runs])
+    return _table(runs, [("differs" if key in differing else "", key, [_e(setting_of(run, key)) for run in runs])
                          for key in keys])
 
 
@@ -352,7 +380,8 @@ def _notes(run: Run) -> list[str]:
         notes.append(f"{run.name}: skipped {len(run.skipped_lines)} unreadable line(s) of metrics.jsonl "
                      f"(torn by a killed run, or not JSON): line {lines}")
     if run.status != "complete":
-        notes.append(f"{run.name}: {run.status} (no final/ model): a partial run")
+        notes.append(f"{run.name}: {run.status}" + ("; final/ holds its last weights" if (run.path / "final").is_dir()
+                                                     else " (no final/ model): a partial run"))
     if not run.config:
         notes.append(f"{run.name}: no readable config.yaml; settings unknown, budgets not derived")
     return notes

@@ -12,9 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from esft.files import write_text_atomic
 from esft.runs.metrics import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
+STATUS_FILE = "status.json"
+"""How the last train() in a run directory ended (esft.trainer writes it; `esft report` shows it)."""
+ES_ONLY_SETTINGS = ("population_size", "sigma", "alpha", "noise", "rank", "population_batching", "reward_shaping")
+"""Settings GRPO runs ignore; GRPO's own are the 'GRPO (TRL)' section of ESConfig (grpo_settings)."""
 # Bookkeeping settings: they never make two runs' curves differ, so they are not "settings that differ".
 IGNORED_SETTINGS = ("run_name", "output_dir", "resume", "progress", "logging")
 BUDGET_KINDS = ("completions", "tokens", "seconds")
@@ -55,12 +60,25 @@ class Run:
         return self.rows[-1]["iteration"]
 
     @property
+    def algorithm(self) -> str:
+        return str(self.config.get("algorithm", "es"))
+
+    @property
     def status(self) -> str:
-        """'complete', or where a killed/interrupted run stopped."""
+        """'complete', or how and where the run stopped: 'stopped: budget', 'stopped: error' or
+        'interrupted' (Ctrl-C, or killed: a run that recorded no end) at iteration k of n."""
         planned = self.config.get("iterations")
-        if (self.path / "final").is_dir() or planned is None or self.last_iteration >= planned:
+        try:
+            recorded = json.loads((self.path / STATUS_FILE).read_text()).get("status")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded in ("stopped: budget", "stopped: error", "interrupted"):
+            return f"{recorded} at iteration {self.last_iteration} of {planned}"
+        if recorded == "complete" or planned is None or self.last_iteration >= planned:
             return "complete"
-        return f"stopped at iteration {self.last_iteration} of {planned}"
+        if (self.path / "final").is_dir():  # written by a version that recorded no status: final/ = it ended
+            return f"stopped at iteration {self.last_iteration} of {planned}"
+        return f"interrupted at iteration {self.last_iteration} of {planned}"
 
     def series(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
         """(iterations, values) of `key` over `rows` (default: all rows having it); null → NaN."""
@@ -90,6 +108,38 @@ class Run:
         if not self.iteration_rows or total == 0.0:
             return None
         return spent, DERIVED_BUDGET[kind]
+
+
+def write_status(run_dir: Path | None, status: str) -> None:
+    """Record how a train() ended ('complete', 'stopped: budget', 'stopped: error', 'interrupted');
+    a status that cannot be written costs nothing but its line in the report."""
+    if run_dir is None:
+        return
+    try:
+        write_text_atomic(Path(run_dir) / STATUS_FILE, json.dumps({"status": status}) + "\n")
+    except OSError:
+        pass
+
+
+def grpo_settings() -> tuple[str, ...]:
+    """The settings only --algorithm grpo uses (ESConfig's 'GRPO (TRL)' section)."""
+    import dataclasses
+
+    from esft.config import ESConfig
+
+    return tuple(f.name for f in dataclasses.fields(ESConfig) if f.metadata.get("group") == "GRPO (TRL)")
+
+
+def applies(key: str, run: Run) -> bool:
+    """Whether setting `key` means anything for `run`'s algorithm."""
+    if key in ES_ONLY_SETTINGS:
+        return run.algorithm == "es"
+    return run.algorithm == "grpo" or key not in grpo_settings()
+
+
+def setting_of(run: Run, key: str) -> Any:
+    """The run's value of `key`, '—' when unset, 'n/a (<algorithm>)' when its algorithm has no use for it."""
+    return run.config.get(key, "—") if applies(key, run) else f"n/a ({run.algorithm})"
 
 
 def as_float(value: Any) -> float:
@@ -179,12 +229,18 @@ def held_out_keys(runs: list[Run]) -> list[str]:
 
 
 def differing_settings(runs: list[Run]) -> list[str]:
-    """Settings (config.yaml keys) whose values are not the same in every run."""
+    """Settings (config.yaml keys) whose values are not the same in every run they apply to (an
+    ES-only setting among the ES runs, a GRPO one among the GRPO runs); `algorithm` first."""
     keys: dict[str, None] = {}
     for run in runs:
         keys |= dict.fromkeys(run.config)
-    return [key for key in keys if key not in IGNORED_SETTINGS
-            and len({json.dumps(run.config.get(key), sort_keys=True, default=str) for run in runs}) > 1]
+    found = []
+    for key in keys:
+        relevant = [run for run in runs if applies(key, run)]
+        if key not in IGNORED_SETTINGS and len({json.dumps(run.config.get(key), sort_keys=True, default=str)
+                                                for run in relevant}) > 1:
+            found.append(key)
+    return sorted(found, key=lambda key: key != "algorithm")  # stable: the rest keep config.yaml's order
 
 
 def run_labels(runs: list[Run], settings: list[str], shown: int = 3) -> dict[str, str]:

@@ -111,9 +111,11 @@ def prepare_task(task: Any, origin: str = "the task") -> Task:
     return dataclasses.replace(task, train_dataset=train, eval_datasets=evals, reward_funcs=funcs)
 
 
-def service_rewards(reward_model: str | None, reward_url: str | None, device: str = "auto") -> list[Any]:
-    """--reward-model models (loaded now) and --reward-url services (asked for /health now) as reward
-    functions: a bad model or an unreachable service fails here, before the policy model loads."""
+def service_rewards(reward_model: str | None, reward_url: str | None, device: str = "auto",
+                    deadline: float | None = None) -> list[Any]:
+    """--reward-model models (loaded now) and --reward-url services (asked for /health now, with a few
+    quick retries) as reward functions: a bad model or an unreachable service fails here, before the
+    policy model loads. During the run, a service's calls retry for `deadline` seconds."""
     funcs: list[Any] = [_load_reward_model(spec, device, f"--reward-model {spec}") for spec in split_list(reward_model)]
     for group in split_list(reward_url):
         remote = remote_reward(group.split("|"))
@@ -122,6 +124,7 @@ def service_rewards(reward_model: str | None, reward_url: str | None, device: st
         except RewardServiceError as error:
             raise TaskError(f"--reward-url {group}: {error} (start one with esft serve-reward --model DIR, or set "
                             "$ESFT_REWARD_API_KEY if it asks for a key)") from None
+        remote.deadline = deadline
         funcs.append(remote)
     seen: dict[str, int] = {}
     for func in funcs:  # metrics are keyed by name: two models called "final" become final and final-2
@@ -166,7 +169,8 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
 
 
 def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: str | None, reward_weights: list[float] | None,
-                   reward_model: str | None = None, reward_url: str | None = None, reward_model_device: str = "auto") -> Task:
+                   reward_model: str | None = None, reward_url: str | None = None, reward_model_device: str = "auto",
+                   reward_url_deadline: float | None = None) -> Task:
     """`--train-data/--eval-data` + `--reward-funcs` (and/or `--reward-model`, `--reward-url`): no
     code beyond the reward functions. Rewards in that order (the order of --reward-weights)."""
     if train_data is None and eval_data is None:
@@ -187,7 +191,7 @@ def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: 
         evals = load_splits(eval_data)
         single_file = Path(eval_data).is_file()
         metadata["eval_labels"] = {split: str(eval_data) if single_file else f"{eval_data} (split {split!r})" for split in evals}
-    funcs += service_rewards(reward_model, reward_url, reward_model_device)  # after the data: bad data fails faster
+    funcs += service_rewards(reward_model, reward_url, reward_model_device, reward_url_deadline)  # after the data: bad data fails faster
     task = Task("custom", train, evals, funcs, reward_weights, metadata=metadata)
     return prepare_task(task, "--reward-funcs")
 
@@ -221,7 +225,7 @@ def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
     registered task (countdown, conciseness, math)."""
     if args.reward_funcs or args.reward_model or args.reward_url:
         return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights, args.reward_model,
-                              args.reward_url, args.reward_model_device)
+                              args.reward_url, args.reward_model_device, getattr(args, "reward_url_deadline", None))
     settings = {name: getattr(args, name) for name in FACTORY_SETTINGS}
     if is_spec(args.task):
         return task_from_factory(args.task, settings)

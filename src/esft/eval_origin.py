@@ -1,0 +1,66 @@
+"""Which run's settings `esft eval` takes, and the one line that says what an evaluation used.
+
+A run's weights come in three forms and each evaluates with the settings of the run that wrote them
+(flags override): `--model RUN/checkpoint-N` or `RUN/final` (a checkpoint: its trainer_state.json),
+`--model BASE --lora-adapter RUN/final` (the adapter is the checkpoint), and `--model
+RUN/final-merged` (LoRA-ES's merged export, no state of its own: its run's final/ or config.yaml)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
+
+EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
+                 "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
+                 "dtype", "reward_sandbox", "reward_timeout", "reward_memory_mb", "reward_workers", "failure_reward")
+"""What `esft eval` takes from the settings of the run that wrote the evaluated weights."""
+SHOWN = ("task", "train_data", "eval_data", "reward_funcs", "reward_model", "reward_url", "eval_size", "max_tokens",
+         "temperature", "eval_samples", "seed")
+"""The settings of an evaluation's one line (esft eval prints it every time)."""
+
+
+def _config_of(path: Path) -> dict[str, Any] | None:
+    """The run settings recorded for a weights directory, or None if it is not a run's."""
+    if is_checkpoint(path):
+        try:
+            return read_state(path)["config"]
+        except CheckpointError:
+            return None
+    if path.name == "final-merged" and path.is_dir():  # LoRA-ES: the run's final/ holds the state
+        found = _config_of(path.parent / "final")
+        if found is not None:
+            return found
+        config_file = path.parent / "config.yaml"
+        if config_file.is_file():
+            import yaml
+
+            try:
+                config = yaml.safe_load(config_file.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                return None
+            return config if isinstance(config, dict) else None
+    return None
+
+
+def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple[dict[str, Any], Path] | None:
+    """The settings `esft eval` inherits (and the directory they come from) when `model` or
+    `lora_adapter` is a run's weights; None otherwise."""
+    for candidate in (lora_adapter, model):
+        if not candidate:
+            continue
+        path = Path(candidate).expanduser()
+        config = _config_of(path)
+        if config is None:
+            continue
+        inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
+        inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
+        return inherited, path
+    return None
+
+
+def settings_line(config: Any) -> str:
+    """`esft eval: task=..., eval_data=..., eval_size=..., max_tokens=..., ...` (what was unset is left out)."""
+    shown = [f"{name}={getattr(config, name)}" for name in SHOWN if getattr(config, name, None) not in (None, "")]
+    return "esft eval: evaluating with " + ", ".join(shown)

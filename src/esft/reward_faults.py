@@ -1,0 +1,46 @@
+"""What a run does when rewards cannot train it (README "Reliability"): a reward function that fails
+on every sample of an iteration stops it, unless --reward-skip-failing names that function; rewards
+too large to average or shape (1e308 each) stop it with the same one-line rule."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from esft.config_rules import split_list
+from esft.rewards.runner import Failure, RewardError, Scores
+from esft.tasks.base import TaskError
+
+
+def skip_failing(args: Any, names: Sequence[str]) -> set[str]:
+    """The reward functions --reward-skip-failing names (a name that is none of the run's reward
+    functions is an error before the model loads: a typo would silently leave the rule on)."""
+    wanted = split_list(getattr(args, "reward_skip_failing", None))
+    unknown = [name for name in wanted if name not in names]
+    if unknown:
+        raise TaskError(f"--reward-skip-failing: no reward function named {', '.join(unknown)}; this run's reward "
+                        f"functions: {', '.join(names)}")
+    return set(wanted)
+
+
+def stop_if_unshapeable(rewards: Sequence[float], shaping: str, batches: Sequence[Scores], when: str,
+                        consequence) -> None:
+    """RewardError (one line, exit 2) when the members' rewards, or their spread that --reward-shaping
+    zscore divides by, are not finite numbers in float64 (finite rewards near 1e308 overflow there);
+    `consequence()` writes the checkpoint and says how to go on."""
+    values = np.asarray(rewards, dtype=np.float64)
+    with np.errstate(all="ignore"):
+        spread = values.std() if shaping == "zscore" and np.all(np.isfinite(values)) else 0.0
+    if np.all(np.isfinite(values)) and np.isfinite(spread):
+        return
+    largest: dict[str, float] = {}
+    for scores in batches:
+        for name, values_of in scores.per_function.items():
+            present = [abs(v) for v in values_of if v is not None]
+            largest[name] = max([largest.get(name, 0.0), *present])
+    name = max(largest, key=largest.get) if largest else "(combined)"
+    failure = Failure("overflow", f"members' rewards from {min(rewards):.3g} to {max(rewards):.3g}; its largest "
+                      f"value {largest.get(name, float('nan')):.3g}: scale the rewards down")
+    raise RewardError(name, failure, when, consequence())
