@@ -129,13 +129,33 @@ def ship(func: Callable) -> Shipped:
     for module in _user_modules():  # functions of files loaded by path cannot be imported by name
         cloudpickle.register_pickle_by_value(module)
     try:
-        payload = cloudpickle.dumps(func)
+        payload = _dumps_keeping_filenames(func)
     except Exception as error:  # noqa: BLE001 - any pickling failure means the same
         raise NotShippable(describe(error)) from None
     finally:
         for module in _user_modules():
             cloudpickle.unregister_pickle_by_value(module)
     return ByValue(hashlib.blake2b(payload, digest_size=16).hexdigest(), payload, getattr(func, "__name__", ""))
+
+
+def _dumps_keeping_filenames(func: Callable) -> bytes:
+    """cloudpickle.dumps, except that code objects keep their file name: cloudpickle >= 3.1.3 writes
+    "<dynamic-code>" instead (for deterministic payloads), and a failing reward's traceback must name
+    the user's file. A code object travels whole through marshal (same interpreter on both sides)."""
+    import io
+    import marshal
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        dispatch_table = ChainMap({types.CodeType: lambda code: (marshal.loads, (marshal.dumps(code),))},
+                                  cloudpickle.Pickler.dispatch_table)
+
+    with io.BytesIO() as file:
+        Pickler(file).dump(func)
+        return file.getvalue()
 
 
 def _user_modules() -> list:
