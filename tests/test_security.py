@@ -89,3 +89,137 @@ def test_a_resumed_run_refuses_links_it_would_write_through(tmp_path, victim):
     proc = esft("train", "--resume", str(run), cwd=tmp_path)
     one_error_line(proc, "--resume", "symbolic links (metrics.jsonl)")
     assert victim.read_bytes() == VICTIM_BYTES
+
+
+# ------------------------------------------------- 2. code named in a run's settings, 3. checkpoints
+@pytest.fixture(scope="module")
+def small_run(tiny_model_dir, tmp_path_factory) -> Path:
+    """A 2-iteration toy run with checkpoint-1, checkpoint-2 and final/ (copied by the tests that change it)."""
+    out = tmp_path_factory.mktemp("small-run")
+    proc = esft("train", "--model", str(tiny_model_dir), "--task", "toy", "--population-size", "2", "--batch-size", "2",
+                "--max-tokens", "4", "--eval-size", "2", "--train-size", "8", "--eval-batch-size", "2", "--logging", "none",
+                "--no-progress", "--output-dir", str(out), "--run-name", "run", "--iterations", "2", "--save-every", "1",
+                cwd=out)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out / "run"
+
+
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    target = tmp_path / "run"
+    shutil.copytree(run_dir, target, ignore=shutil.ignore_patterns(".esft.lock"))
+    return target
+
+
+def edit_state(checkpoint: Path, change) -> None:
+    path = checkpoint / "trainer_state.json"
+    state = json.loads(path.read_text())
+    change(state)
+    path.write_text(json.dumps(state))
+
+
+def evil_script(tmp_path: Path) -> tuple[Path, Path]:
+    """A script that leaves a marker file when it is imported: what a downloaded run's settings might name."""
+    marker = tmp_path / "marker"
+    script = tmp_path / "evil.py"
+    script.write_text(f"from pathlib import Path\nPath({str(marker)!r}).write_text('ran')\n"
+                      "def reward(completions, **kwargs):\n    return [0.0] * len(completions)\n"
+                      "def make_task(**kwargs):\n    raise SystemExit(0)\n")
+    return script, marker
+
+
+def test_a_resume_never_imports_reward_code_named_by_the_checkpoint(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
+    script, marker = evil_script(tmp_path)
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    for checkpoint in [*run.glob("checkpoint-*"), run / "final"]:
+        edit_state(checkpoint, lambda s: s["config"].update(reward_funcs=f"{script}:reward", train_data=str(tmp_path / "rows.jsonl"),
+                                                            task="custom"))
+    proc = esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path)
+    one_error_line(proc, f"--resume {run}", f"--reward-funcs {script}:reward", "--trust-run-code")
+    assert not marker.exists() and not list(run.glob("superseded-*"))
+    # the explicit opt-in loads it, and says so
+    proc = esft("train", "--resume", str(run), "--iterations", "3", "--trust-run-code", cwd=tmp_path)
+    assert marker.exists() and f"--trust-run-code: loading the code that --resume {run} names" in proc.stderr
+    # a run's own config.yaml (a run killed before its first checkpoint) is no different
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text(yaml.safe_dump({"reward_funcs": f"{script}:reward", "train_data": "rows.jsonl"}))
+    marker.unlink()
+    one_error_line(esft("train", "--resume", str(fresh), cwd=tmp_path), "--reward-funcs", "--trust-run-code")
+    assert not marker.exists()
+
+
+def test_eval_never_imports_a_task_named_by_the_checkpoint(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
+    script, marker = evil_script(tmp_path)
+    edit_state(run / "final", lambda s: s["config"].update(task=f"{script}:make_task"))
+    proc = esft("eval", "--model", str(run / "final"), "--output-dir", str(tmp_path / "out"), "--logging", "none", cwd=tmp_path)
+    one_error_line(proc, f"--model {run / 'final'}", f"--task {script}:make_task", "--trust-run-code")
+    assert not marker.exists()
+    # named again on the command line, it is the user's choice
+    esft("eval", "--model", str(run / "final"), "--task", f"{script}:make_task", "--output-dir", str(tmp_path / "out"),
+         "--logging", "none", cwd=tmp_path)
+    assert marker.exists()
+
+
+def test_the_checkpoint_checker_reads_only_files_inside_the_checkpoint(small_run, tmp_path):
+    from esft.files import file_digest
+    from esft.runs.directory import ResumeError, find_resume_point
+
+    run = copy_run(small_run, tmp_path)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("not the checkpoint's")
+    checkpoint = run / "checkpoint-2"
+    for name in (str(secret), f"../../{secret.name}"):  # an absolute name, a name leading out of it
+        edit_state(checkpoint, lambda s: s["files"].update({name: file_digest(secret)}))
+        with pytest.raises(ResumeError, match="not a file inside the checkpoint"):
+            find_resume_point(checkpoint)
+        edit_state(checkpoint, lambda s: s["files"].pop(name))
+    os.symlink(secret, checkpoint / "extra.txt")  # a link inside it to a file outside
+    edit_state(checkpoint, lambda s: s["files"].update({"extra.txt": file_digest(secret)}))
+    with pytest.raises(ResumeError, match="a link to a file outside the checkpoint"):
+        find_resume_point(checkpoint)
+
+
+def test_a_renamed_checkpoint_is_refused_and_never_set_aside(small_run, tmp_path):
+    import shutil
+
+    run = copy_run(small_run, tmp_path)
+    shutil.copytree(run / "checkpoint-1", run / "checkpoint-5")  # a copy, a rename: it holds iteration 1
+    proc = esft("train", "--resume", str(run / "checkpoint-5"), "--iterations", "6", cwd=tmp_path)
+    one_error_line(proc, "checkpoint-5 but holds iteration 1", "rename it checkpoint-1")
+    assert (run / "checkpoint-5" / "model.safetensors").is_file() and not list(run.glob("superseded-*"))
+    # the run directory: the renamed copy is passed over, the newest intact checkpoint resumed
+    proc = esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"resumed from {run / 'checkpoint-2'} at iteration 2" in proc.stderr
+    (aside,) = run.glob("superseded-*")  # the stray copy is kept, out of the lineage
+    assert (aside / "checkpoint-5" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (lambda s: s.update(iteration=True), "iteration must be a whole number"),
+    (lambda s: s.update(iteration=-7), "iteration must be a whole number from 0"),
+    (lambda s: s.update(iteration=10**30), "iteration must be a whole number from 0"),
+    (lambda s: s.update(files=[1, 2]), "files must map file names to digests"),
+    (lambda s: s["config"].update(old_setting_name=3), "the setting 'old_setting_name', which this esft version does not know"),
+])
+def test_a_hand_edited_trainer_state_is_one_line_and_moves_nothing(small_run, tmp_path, edit, expected):
+    run = copy_run(small_run, tmp_path)
+    edit_state(run / "checkpoint-1", edit)
+    proc = esft("train", "--resume", str(run / "checkpoint-1"), "--iterations", "3", cwd=tmp_path)
+    one_error_line(proc, expected)
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in small_run.iterdir() if p.name != ".esft.lock")
+
+
+def test_weights_that_are_not_safetensors_are_one_line(small_run, tmp_path):
+    from esft.files import file_digest
+
+    run = copy_run(small_run, tmp_path)
+    weights = run / "checkpoint-1" / "model.safetensors"
+    weights.write_bytes(b"\x80\x04 a pickle, perhaps; not safetensors")
+    edit_state(run / "checkpoint-1", lambda s: s["files"].update({"model.safetensors": file_digest(weights)}))
+    proc = esft("train", "--resume", str(run / "checkpoint-1"), "--iterations", "3", cwd=tmp_path)
+    one_error_line(proc, "not a readable safetensors file")

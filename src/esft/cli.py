@@ -13,12 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
+from esft.inherited import InheritedSettingsError, check_inherited_code, run_settings_of, settings_of_run
 
 USER_ERROR = 2
-EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
-                 "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
-                 "dtype", "reward_sandbox", "reward_timeout", "reward_memory_mb", "reward_workers", "failure_reward")
-"""What `esft eval --model RUN/final` takes from the run's settings (flags override)."""
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
@@ -221,28 +218,13 @@ def _one_line(text: str) -> str:
     return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
-def _run_settings_of(model: str) -> tuple[dict[str, Any], Path] | None:
-    """The settings of the run whose checkpoint or final directory `model` is, if it is one."""
-    from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
-
-    path = Path(model).expanduser()
-    if not is_checkpoint(path):
-        return None
-    try:
-        config = read_state(path)["config"]
-    except CheckpointError:
-        return None
-    inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
-    inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
-    return inherited, path
-
-
 def resolve_config(command: str, given: dict[str, Any]):
     """checkpoint's config (when resuming; for eval: the evaluated run's) < --config YAML < flags.
     Returns (ESConfig, the demo preset's settings that `train` added, the ResumePoint or None)."""
     from esft.runs.directory import ResumeError, find_resume_point
 
     settings: dict[str, Any] = {}
+    inherited: dict[str, Any] = {}
     yaml_path = given.pop("config", None)
     from_yaml = _read_yaml(yaml_path) if yaml_path else {}
     if command == "eval" and (given.get("resume") or from_yaml.get("resume")):
@@ -255,19 +237,24 @@ def resolve_config(command: str, given: dict[str, Any]):
             point = find_resume_point(resume)
         except ResumeError as error:
             raise UserError(f"--resume {resume}: {error}") from None
-        settings |= {k: v for k, v in point.config.items() if k not in ("run_name", "output_dir", "resume")}
+        where = f"--resume {resume}"
+        source = point.checkpoint / "trainer_state.json" if point.checkpoint else point.run_dir / "config.yaml"
+        settings |= (inherited := settings_of_run(point.config, str(source)))
         trained_with = point.config.get("algorithm", "es")
         if given.get("algorithm", from_yaml.get("algorithm", trained_with)) != trained_with:
             raise UserError(f"--algorithm: {resume} was trained with --algorithm {trained_with}; resume it with that "
                             "algorithm, or start a new run")
     model = given.get("model", from_yaml.get("model"))
-    if command == "eval" and model and (found := _run_settings_of(model)):
+    if command == "eval" and model and (found := run_settings_of(model)):
         inherited, path = found
+        where = f"--model {model}"
         overridden = set(from_yaml) | set(given)
         settings |= inherited
         shown = ", ".join(f"{k}={v}" for k, v in inherited.items() if k not in overridden and v is not None)
         print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
+    if inherited:  # a directory's settings import no code by themselves (esft.inherited)
+        check_inherited_code(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where)
     preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
     for line in dropped:
         print(f"esft: {line}", file=sys.stderr)
@@ -364,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(error.failure.traceback, file=sys.stderr)
             return USER_ERROR
         _print_summary(trainer, config, final)
-    except UserError as error:
+    except (UserError, InheritedSettingsError) as error:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except OSError as error:

@@ -247,6 +247,7 @@ def _set_aside_later(path: Path, resume: ResumePoint) -> None:
         later += [d for d in evals.iterdir() if (m := _EVAL_DIR.match(d.name)) and (int(m.group(1)) > n or resume.checkpoint is None)]
     if resume.checkpoint is None:  # a restart from scratch: its old TensorBoard events go too
         later += list(path.glob("events.out.tfevents.*"))
+    later = [entry for entry in later if entry != resume.checkpoint]  # never the very checkpoint resumed from
     metrics = path / METRICS_FILE
     kept, dropped = _split_metrics(metrics, n if resume.checkpoint is not None else -1)
     if not later and not dropped:
