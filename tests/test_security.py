@@ -223,3 +223,113 @@ def test_weights_that_are_not_safetensors_are_one_line(small_run, tmp_path):
     edit_state(run / "checkpoint-1", lambda s: s["files"].update({"model.safetensors": file_digest(weights)}))
     proc = esft("train", "--resume", str(run / "checkpoint-1"), "--iterations", "3", cwd=tmp_path)
     one_error_line(proc, "not a readable safetensors file")
+
+
+# ------------------------------------------------------ 4-6. a shared reward service and its worst client
+@pytest.fixture(scope="module")
+def reward_server(tiny_reward_model_dir):
+    """`esft serve-reward` with its default limits (batches of 32), as a real process on loopback."""
+    from test_serve_reward import start_server, stop
+
+    proc, url = start_server(tiny_reward_model_dir)
+    yield url, proc
+    code, stderr = stop(proc)
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def post_score(url: str, body: bytes, timeout: float = 60):
+    import httpx
+
+    return httpx.post(f"{url}/score", content=body, headers={"Content-Type": "application/json"}, timeout=timeout)
+
+
+def good_bodies(count: int) -> list[tuple[str, bytes]]:
+    texts = [f"prompt {i} " + "x" * (i % 5) for i in range(count)]
+    return [(text, json.dumps({"prompts": [text], "completions": [" ok"]}).encode()) for text in texts]
+
+
+@pytest.mark.parametrize("poison, detail", [
+    (b'{"prompts": [""], "completions": [""]}', "item 0: prompt + completion is empty"),
+    (b'{"prompts": ["a"], "completions": ["\\ud800"]}', "item 0: character 1 is a lone surrogate"),
+    (b'{"prompts": ["a", [{"role": "user", "content": "\\udfff"}]], "completions": ["b", "c"]}', "item 1:"),
+])
+def test_one_poisonous_request_fails_alone_among_32_good_ones(reward_server, tiny_reward_model_dir, poison, detail):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from esft.rewards.models import RewardModel
+
+    url, _ = reward_server
+    goods = good_bodies(32)
+    expected = RewardModel(str(tiny_reward_model_dir), device="cpu")([t for t, _ in goods], [" ok"] * len(goods))
+    with ThreadPoolExecutor(33) as pool:
+        bad = pool.submit(post_score, url, poison)
+        answers = list(pool.map(lambda item: post_score(url, item[1]), goods))
+    assert bad.result().status_code == 400 and detail in bad.result().json()["detail"], bad.result().text
+    assert [a.status_code for a in answers] == [200] * 32, [a.text for a in answers if a.status_code != 200][:2]
+    assert [a.json()["rewards"][0] for a in answers] == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_a_request_that_fails_in_the_model_fails_only_itself(tmp_path):
+    """A poison validation cannot see (a real broken model: tokens past its 100 embedding rows), among
+    32 good requests scored in shared batches through the real app."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from esft.rewards.models import RewardModel
+    from esft.rewards.serve import create_app
+    from tiny_model import build_tiny_reward_model
+
+    broken = RewardModel(str(build_tiny_reward_model(tmp_path)))
+    broken.load()
+    broken.model.resize_token_embeddings(100)
+    with TestClient(create_app(broken, batch_size=64), raise_server_exceptions=False) as client:
+        def score(body):
+            return client.post("/score", json=body)
+
+        goods = [{"prompts": [f"ab{i}"], "completions": ["c!"]} for i in range(32)]  # printable ASCII: tokens below 100
+        with ThreadPoolExecutor(33) as pool:
+            bad = pool.submit(score, {"prompts": ["a b"], "completions": ["c"]})
+            answers = list(pool.map(score, goods))
+        assert bad.result().status_code == 500 and bad.result().json()["detail"].startswith("internal error: IndexError")
+        assert [a.status_code for a in answers] == [200] * 32
+        assert client.get("/health").json()["max_batch_requests"] > 1  # they did share batches
+
+
+def test_one_huge_request_is_refused_and_small_ones_keep_moving(reward_server):
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    url, _ = reward_server
+    huge = json.dumps({"prompts": ["Summarize:"], "completions": ["word " * 1_600_000]}).encode()  # 8 MB
+    small = json.dumps({"prompts": ["hi"], "completions": [" there"]}).encode()
+    with ThreadPoolExecutor(2) as pool:
+        big = pool.submit(post_score, url, huge)
+        time.sleep(0.3)
+        started = time.perf_counter()
+        answer = post_score(url, small)
+        waited = time.perf_counter() - started
+    assert answer.status_code == 200 and waited < 5, waited
+    assert big.result().status_code == 413 and "--max-text-chars" in big.result().json()["detail"]
+
+
+def test_no_content_type_no_docs_and_slow_headers_are_cut_off(reward_server):
+    import socket
+    import time
+
+    import httpx
+
+    url, _ = reward_server
+    bare = httpx.post(f"{url}/score", content=b'{"prompts": ["a"], "completions": ["b"]}', timeout=10)  # no Content-Type
+    assert bare.status_code == 415 and "Content-Type: application/json" in bare.json()["detail"]
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(f"{url}{path}", timeout=10).status_code == 404, path
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(b"POST /score HTTP/1.1\r\nHost: x\r\n")  # headers that never finish
+        started = time.perf_counter()
+        try:
+            closed = sock.recv(1024) == b""
+        except (TimeoutError, ConnectionResetError) as error:
+            closed = isinstance(error, ConnectionResetError)
+        assert closed and time.perf_counter() - started < 20
