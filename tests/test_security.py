@@ -280,20 +280,32 @@ def test_a_request_that_fails_in_the_model_fails_only_itself(tmp_path):
     from esft.rewards.serve import create_app
     from tiny_model import build_tiny_reward_model
 
+    import threading
+    import time
+
     broken = RewardModel(str(build_tiny_reward_model(tmp_path)))
     broken.load()
     broken.model.resize_token_embeddings(100)
+    gate, score_texts = threading.Event(), broken.score_texts
+    broken.score_texts = lambda texts: (gate.wait(60), score_texts(texts))[1]  # holds the first batch until all wait
     with TestClient(create_app(broken, batch_size=64), raise_server_exceptions=False) as client:
         def score(body):
             return client.post("/score", json=body)
 
         goods = [{"prompts": [f"ab{i}"], "completions": ["c!"]} for i in range(32)]  # printable ASCII: tokens below 100
         with ThreadPoolExecutor(33) as pool:
+            first = pool.submit(score, goods[0])
+            time.sleep(0.5)  # in the model (held), so the others queue and are batched together with the poison
             bad = pool.submit(score, {"prompts": ["a b"], "completions": ["c"]})
-            answers = list(pool.map(score, goods))
+            answers = [first, *(pool.submit(score, body) for body in goods[1:])]
+            deadline = time.monotonic() + 30
+            while (waiting := client.get("/health").json()["queue"]) < 32 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            gate.set()
+            answers = [a.result() for a in answers]
         assert bad.result().status_code == 500 and bad.result().json()["detail"].startswith("internal error: IndexError")
         assert [a.status_code for a in answers] == [200] * 32
-        assert client.get("/health").json()["max_batch_requests"] > 1  # they did share batches
+        assert waiting == 32  # the poison and 31 batch-mates, scored in one batch
 
 
 def test_one_huge_request_is_refused_and_small_ones_keep_moving(reward_server):
