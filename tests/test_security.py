@@ -345,3 +345,25 @@ def test_no_content_type_no_docs_and_slow_headers_are_cut_off(reward_server):
         except (TimeoutError, ConnectionResetError) as error:
             closed = isinstance(error, ConnectionResetError)
         assert closed and time.perf_counter() - started < 20
+
+
+def returns_true(completions, **kwargs):
+    return [True] * len(completions)
+
+
+def returns_numpy_bools(completions, **kwargs):
+    import numpy
+
+    return list(numpy.array([1.0] * len(completions)) > 0)
+
+
+@pytest.mark.parametrize("func", [returns_true, returns_numpy_bools])
+def test_a_bool_is_not_a_reward_of_one(func):
+    from esft.rewards.runner import RewardRunner
+
+    runner = RewardRunner([func], timeout=10, workers=1, sandbox=False)
+    try:
+        scores = runner.score([{"prompt": "p"}, {"prompt": "q"}], ["a", "b"])
+    finally:
+        runner.close()
+    assert scores.errors == 2 and scores.mean() != 1.0
