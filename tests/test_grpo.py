@@ -98,7 +98,7 @@ def test_grpo_checkpoints_hold_esft_state_and_trl_state_apart(runs, tiny_model_d
 def test_esft_eval_of_a_grpo_model_reproduces_the_runs_final_evaluation(runs, tmp_path):
     run = runs["grpo"][1]
     proc, _ = esft("eval", "--model", str(run / "final"), "--output-dir", str(tmp_path), "--run-name", "eval", "--logging",
-                   "none", cwd=tmp_path)
+                   "none", "--trust-run-code", cwd=tmp_path)  # the run's --task is module:function code (README Security)
     assert proc.returncode == 0, proc.stderr[-2000:]
     final = read_jsonl(run / "metrics.jsonl")[-1]
     evaluated = read_jsonl(tmp_path / "eval" / "metrics.jsonl")[0]
@@ -214,7 +214,8 @@ def test_a_grpo_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tiny_
     # the same run stopped by a token budget after step 2, then resumed without one
     cut, _ = esft(*base, "--run-name", "cut", "--budget-tokens", "20", cwd=tmp_path, timeout=300)
     assert cut.returncode == 0 and "at iteration 2 of 4: stopping" in cut.stderr, cut.stderr[-2000:]
-    resumed, _ = esft("train", "--resume", str(tmp_path / "cut"), "--budget-tokens", "1000000", cwd=tmp_path, timeout=300)
+    resumed, _ = esft("train", "--resume", str(tmp_path / "cut"), "--budget-tokens", "1000000", "--trust-run-code",
+                      cwd=tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {tmp_path / 'cut' / 'checkpoint-2'} at iteration 2" in resumed.stderr
     whole_weights, resumed_weights = safetensors_of(tmp_path / "whole" / "final"), safetensors_of(tmp_path / "cut" / "final")
@@ -249,7 +250,7 @@ def test_a_grpo_reward_that_breaks_mid_run_stops_with_a_checkpoint_to_resume(tin
     assert json.loads((run / "checkpoint-1" / "trl" / "trainer_state.json").read_text())["global_step"] == 1
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1]
     (tmp_path / "fixed").touch()
-    resumed, _ = esft("train", "--resume", "runs/r", cwd=tmp_path, timeout=300)
+    resumed, _ = esft("train", "--resume", "runs/r", "--reward-funcs", "rewards.py:flaky", cwd=tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
 
@@ -264,12 +265,13 @@ def test_an_es_run_stopped_by_its_token_budget_resumes_only_with_a_larger_one(ti
     assert 0 < stop < 4 and rows[-1]["budget/tokens"] >= 20 > rows[-2].get("budget/tokens", 0)
     assert f"esft: the budget of 20 tokens is spent ({rows[-1]['budget/tokens']} generated for training) at iteration {stop} of 4" in first.stderr
     # resumed with the same budget: nothing more to train, the final evaluation again
-    again, _ = esft("train", "--resume", str(tmp_path / "r"), "--no-progress", cwd=tmp_path)
+    again, _ = esft("train", "--resume", str(tmp_path / "r"), "--no-progress", "--task", TASK, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
     assert [row["iteration"] for row in rows][-2:] == [stop, stop] and "eval/easy/reward" in rows[-1]
     # with a larger one it trains on to --iterations
-    more, _ = esft("train", "--resume", str(tmp_path / "r"), "--budget-tokens", "100000", "--no-progress", cwd=tmp_path)
+    more, _ = esft("train", "--resume", str(tmp_path / "r"), "--budget-tokens", "100000", "--no-progress", "--trust-run-code",
+                   cwd=tmp_path)
     assert more.returncode == 0, more.stderr[-2000:]
     assert read_jsonl(tmp_path / "r" / "metrics.jsonl")[-1]["iteration"] == 4
     assert json.loads((tmp_path / "r" / "final" / "trainer_state.json").read_text())["iteration"] == 4

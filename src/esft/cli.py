@@ -14,6 +14,7 @@ from typing import Any
 
 from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
 from esft.eval_origin import run_settings_of, settings_line
+from esft.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
 
 USER_ERROR = 2
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
@@ -146,6 +147,8 @@ def _add_serve_reward(commands) -> None:
         ("--max-queue", int, 256, "Requests that may wait for the model; more get 503."),
         ("--max-request-items", int, 4096, "Most completions in one request; more get 413."),
         ("--max-body-mb", float, 16.0, "Largest request body in MiB; larger get 413."),
+        ("--max-text-chars", int, None, "Longest text scored (prompt + completion, as rendered), in characters; longer "
+                                        "get 413. Default: 16 per token of the model's context."),
     ):
         sub.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]",
                          choices=DTYPE_NAMES if flag == "--dtype" else None)
@@ -225,6 +228,7 @@ def resolve_config(command: str, given: dict[str, Any]):
     from esft.runs.directory import ResumeError, find_resume_point
 
     settings: dict[str, Any] = {}
+    inherited: dict[str, Any] = {}
     yaml_path = given.pop("config", None)
     from_yaml = _read_yaml(yaml_path) if yaml_path else {}
     if command == "eval" and (given.get("resume") or from_yaml.get("resume")):
@@ -237,7 +241,9 @@ def resolve_config(command: str, given: dict[str, Any]):
             point = find_resume_point(resume)
         except ResumeError as error:
             raise UserError(f"--resume {resume}: {error}") from None
-        settings |= {k: v for k, v in point.config.items() if k not in ("run_name", "output_dir", "resume")}
+        where = f"--resume {resume}"
+        source = point.checkpoint / "trainer_state.json" if point.checkpoint else point.run_dir / "config.yaml"
+        settings |= (inherited := settings_of_run(point.config, str(source)))
         trained_with = point.config.get("algorithm", "es")
         if given.get("algorithm", from_yaml.get("algorithm", trained_with)) != trained_with:
             raise UserError(f"--algorithm: {resume} was trained with --algorithm {trained_with}; resume it with that "
@@ -246,11 +252,14 @@ def resolve_config(command: str, given: dict[str, Any]):
     adapter = given.get("lora_adapter", from_yaml.get("lora_adapter"))
     if command == "eval" and (model or adapter) and (found := run_settings_of(model, adapter)):
         inherited, path = found
+        where = f"--lora-adapter {adapter}" if adapter and Path(adapter).expanduser() == path else f"--model {model}"
         overridden = set(from_yaml) | set(given)
         settings |= inherited
         shown = ", ".join(f"{k}={v}" for k, v in inherited.items() if k not in overridden and v is not None)
         print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
+    if inherited:  # a directory's settings import no code by themselves (esft.inherited)
+        check_inherited_code(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where)
     preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
     for line in dropped:
         print(f"esft: {line}", file=sys.stderr)
@@ -349,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(error.failure.traceback, file=sys.stderr)
             return USER_ERROR
         _print_summary(trainer, config, final)
-    except UserError as error:
+    except (UserError, InheritedSettingsError) as error:
         print(f"esft: error: {_one_line(error)}", file=sys.stderr)
         return USER_ERROR
     except OSError as error:

@@ -332,3 +332,13 @@ class RunFields:
         repeatable=True,
         default=None,
     )
+
+    # ---- issue 26: what a run directory may hand on (README "Security")
+    trust_run_code: bool = _in(
+        "logging and checkpoints",
+        "Load the code a resumed run's or an evaluated checkpoint's settings name (--task module:function, "
+        "--reward-funcs) without naming it again. Without it, such code is loaded only when given on the "
+        "command line or in --config; a directory is data, and its settings never import code silently. "
+        "Never inherited from a run's settings.",
+        default=False,
+    )

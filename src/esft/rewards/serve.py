@@ -11,9 +11,13 @@ Endpoints (JSON; with --api-key-env every request needs `Authorization: Bearer <
 
 Requests from concurrent clients wait in one bounded queue (full → 503) and a single scoring task
 takes as many as fit in --batch-size completions for each forward pass, so concurrent clients share
-batches. Bodies over --max-body-mb and requests of more than --max-request-items completions get 413,
-malformed JSON 400, wrong types or mismatched lengths 422, each with a one-line `detail`; an
-unexpected error is a 500 with a message, never a traceback. SIGTERM stops it cleanly (exit 0).
+batches. Bodies over --max-body-mb, requests of more than --max-request-items completions and texts
+over --max-text-chars get 413, malformed JSON, an empty text or one that is not Unicode (a lone
+surrogate) 400, wrong types or mismatched lengths 422, a body not sent as JSON 415, each with a
+one-line `detail` naming the item; an unexpected error is a 500 with a message, never a traceback,
+and only for the request that caused it (a failing batch is scored again request by request).
+Connections that do not finish a request head within 10 s are closed (esft.rewards.serve_guard).
+No /docs, /redoc or /openapi.json. SIGTERM stops it cleanly (exit 0).
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ import contextlib
 import ipaddress
 import logging
 import os
-import secrets
 import signal
 import socket
 import sys
@@ -38,6 +41,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from esft.config import ConfigError
 from esft.rewards.models import RewardModel, device_problem
+from esft.rewards.serve_guard import CHARS_PER_TOKEN, Guard, HeaderTimeoutProtocol, text_problem
 
 logger = logging.getLogger("esft.rewards.serve")
 
@@ -139,9 +143,7 @@ class Batcher:
             try:
                 rewards = await loop.run_in_executor(self.executor, self.scorer.score_texts, texts)
             except Exception as error:  # noqa: BLE001 - delivered to the waiting requests as a 500
-                for job in jobs:
-                    if not job.future.done():
-                        job.future.set_exception(error)
+                await self._score_alone(jobs, error)
                 continue
             self.stats.batches += 1
             self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(jobs))
@@ -151,6 +153,19 @@ class Batcher:
                 if not job.future.done():  # a client that went away cancelled its future
                     job.future.set_result(rewards[start : start + len(job.texts)])
                 start += len(job.texts)
+
+    async def _score_alone(self, jobs: list[Job], error: Exception) -> None:
+        """A batch failed: score each of its requests alone, so a failing one fails only itself."""
+        loop = asyncio.get_running_loop()
+        for job in jobs:
+            outcome: list[float] | Exception = error
+            if len(jobs) > 1:
+                try:
+                    outcome = await loop.run_in_executor(self.executor, self.scorer.score_texts, job.texts)
+                except Exception as alone:  # noqa: BLE001
+                    outcome = alone
+            if not job.future.done():
+                job.future.set_exception(outcome) if isinstance(outcome, Exception) else job.future.set_result(outcome)
 
     def fail_waiting(self) -> None:
         """At shutdown: answer every queued job with 503."""
@@ -175,47 +190,11 @@ def _one_line_validation(error: RequestValidationError) -> tuple[int, str]:
     return 422, "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
 
 
-class Guard:
-    """ASGI middleware checked before a body is read: the bearer token (401), a JSON content type
-    (415) and the body size (413, from Content-Length, and while reading a body sent without one)."""
-
-    def __init__(self, app, api_key: str | None, max_body: int):
-        self.app, self.api_key, self.max_body = app, api_key, max_body
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.api_key is not None and not secrets.compare_digest(headers.get(b"authorization", b""),
-                                                                   f"Bearer {self.api_key}".encode()):
-            response = JSONResponse({"detail": "missing or wrong API key: send the header 'Authorization: Bearer <key>'"},
-                                    401, headers={"WWW-Authenticate": "Bearer"})
-            return await response(scope, receive, send)
-        kind = headers.get(b"content-type", b"application/json").split(b";")[0].strip().lower()
-        if scope["method"] == "POST" and kind != b"application/json":
-            message = f"send JSON with the header 'Content-Type: application/json' (got {kind.decode(errors='replace')!r})"
-            return await JSONResponse({"detail": message}, 415)(scope, receive, send)
-        length = headers.get(b"content-length", b"0")
-        too_large = f"request body over the limit of {self.max_body} bytes (--max-body-mb); send fewer completions per request"
-        if not length.isdigit() or int(length) > self.max_body:
-            return await JSONResponse({"detail": too_large}, 413)(scope, receive, send)
-        received = 0
-
-        async def limited_receive():
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.max_body:
-                raise HTTPException(413, too_large)
-            return message
-
-        await self.app(scope, limited_receive, send)
-
-
 def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 256, max_request_items: int = 4096,
-               max_body_bytes: int = 16 << 20, api_key: str | None = None) -> FastAPI:
-    """The FastAPI app serving `scorer` (loaded here if it is not yet)."""
+               max_body_bytes: int = 16 << 20, api_key: str | None = None, max_text_chars: int | None = None) -> FastAPI:
+    """The FastAPI app serving `scorer` (loaded here if it is not yet); no /docs, /redoc or /openapi.json."""
     info = scorer.info()
+    max_text_chars = max_text_chars or CHARS_PER_TOKEN * (scorer.max_length or 65536)
     state: dict[str, Batcher] = {}
 
     @contextlib.asynccontextmanager
@@ -226,7 +205,7 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
         task.cancel()
         batcher.fail_waiting()
 
-    app = FastAPI(title="esft reward model", lifespan=lifespan)
+    app = FastAPI(title="esft reward model", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body=max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
@@ -247,7 +226,17 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
         return state["batcher"]
 
     async def rewards_of(texts: list[str]) -> list[float]:
-        return await checked(len(texts)).score(texts) if texts else []
+        batcher = checked(len(texts))
+        if problem := text_problem(texts, max_text_chars):
+            raise problem
+        try:
+            return await batcher.score(texts) if texts else []
+        except HTTPException:
+            raise
+        except Exception as error:  # noqa: BLE001 - this request's own failure: one line, no traceback
+            message = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+            logger.error("scoring %d text(s) failed: %s", len(texts), message)
+            raise HTTPException(500, f"internal error: {message}") from None
 
     @app.post("/score")
     async def score(request: ScoreRequest) -> dict[str, list[float]]:
@@ -293,7 +282,7 @@ def _is_loopback(host: str) -> bool:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, batch_size: int = 32, api_key_env: str | None = None,
           device: str = "auto", dtype: str = "auto", max_queue: int = 256, max_request_items: int = 4096,
-          max_body_mb: float = 16.0) -> None:
+          max_body_mb: float = 16.0, max_text_chars: int | None = None) -> None:
     """Load the reward model, listen, serve until SIGTERM/SIGINT (then return). ConfigError or
     RewardModelError for bad settings, before anything is served."""
     import uvicorn
@@ -309,6 +298,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, batch_size: 
         raise ConfigError("device", device_problem(device))
     if not 0 <= port <= 65535:
         raise ConfigError("port", f"must be 0-65535 (0 = any free port), got {port}")
+    if max_text_chars is not None and max_text_chars < 1:
+        raise ConfigError("max_text_chars", f"must be >= 1, got {max_text_chars}")
     if not max_body_mb > 0:
         raise ConfigError("max_body_mb", f"must be > 0, got {max_body_mb}")
     api_key = None
@@ -326,11 +317,13 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, batch_size: 
     transformers_logging.disable_progress_bar()  # a server's log: no loading bars
     scorer = RewardModel(model, device=device, dtype=dtype, batch_size=batch_size, where=f"--model {model}")
     app = create_app(scorer, batch_size=batch_size, max_queue=max_queue, max_request_items=max_request_items,
-                     max_body_bytes=int(max_body_mb * (1 << 20)), api_key=api_key)
+                     max_body_bytes=int(max_body_mb * (1 << 20)), api_key=api_key, max_text_chars=max_text_chars)
     bound = sock.getsockname()[1]
     described = ", ".join(f"{k} {v}" for k, v in scorer.info().items() if k != "model")
     print(f"esft serve-reward: {model} ({described}) on http://{host if ':' not in host else f'[{host}]'}:{bound}", flush=True)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5,
+                                           http=HeaderTimeoutProtocol, timeout_keep_alive=5,
+                                           h11_max_incomplete_event_size=64 << 10))  # a request head: 64 KiB at most
     try:
         server.run(sockets=[sock])
     except SystemExit as stop:

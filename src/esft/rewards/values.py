@@ -49,13 +49,14 @@ def clean_values(raw: Any, n: int) -> tuple[list[float | None], dict[int, str]]:
             values.append(None)
             continue
         number = None
-        if not isinstance(value, (str, bytes)):
+        if not isinstance(value, (str, bytes)) and type(value).__name__ not in ("bool", "bool_"):  # True is no reward of 1.0
             try:
                 number = float(value)
             except (TypeError, ValueError, OverflowError):
                 number = None
         if number is None:
-            errors[index] = f"returned {_short(value)} ({type(value).__name__}), not a number"
+            hint = "; return a float such as 1.0 or 0.0" if type(value).__name__ in ("bool", "bool_") else ""
+            errors[index] = f"returned {_short(value)} ({type(value).__name__}), not a number{hint}"
         elif number != number or number in (float("inf"), float("-inf")):
             errors[index] = f"returned {number}"
             number = None

@@ -23,6 +23,8 @@ from esft.files import directory_digests, file_digest, make_temporary_dir, write
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+MAX_ITERATION = 10**9
+"""The largest iteration a trainer state may record (a hand-edited 10**30 is refused, not trained towards)."""
 
 
 class CheckpointError(ValueError):
@@ -90,9 +92,36 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise CheckpointError(f"{path} is unreadable ({error})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("iteration"), int) or not isinstance(state.get("config"), dict):
+    if not isinstance(state, dict) or "iteration" not in state or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"{path} is not an esft trainer state (no iteration/config)")
+    problem = _state_problem(state, checkpoint_number(checkpoint))
+    if problem:
+        raise CheckpointError(f"{path}: {problem}")
     return state
+
+
+def _state_problem(state: dict[str, Any], number: int | None) -> str | None:
+    """What is wrong with a trainer state's fields (a hand edit, a renamed copy), checked before a resume
+    moves or loads anything; None if nothing."""
+    iteration = state["iteration"]
+    if type(iteration) is not int or not 0 <= iteration <= MAX_ITERATION:
+        return f"iteration must be a whole number from 0 to {MAX_ITERATION}, got {_short(iteration)}"
+    if number is not None and number != iteration:
+        return (f"the folder is named checkpoint-{number} but holds iteration {iteration} (renamed or copied?); "
+                f"rename it checkpoint-{iteration}, or resume from another checkpoint")
+    files = state.get("files")
+    if files is not None and not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
+        return f"files must map file names to digests, got {_short(files)}"
+    for name in files or ():
+        parts = Path(name).parts
+        if not parts or Path(name).is_absolute() or ".." in parts or "\\" in name:
+            return f"files names {name!r}, which is not a file inside the checkpoint"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def verify(checkpoint: Path) -> str | None:
@@ -110,12 +139,31 @@ def verify(checkpoint: Path) -> str | None:
         if state["config"].get("dtype", "float32") != "float32" and not (checkpoint / MASTER_FILE).is_file():
             return f"{checkpoint / MASTER_FILE} (the float32 master of a {state['config']['dtype']} run) is missing"
         return None
+    inside = checkpoint.resolve()
     for name, digest in sorted(files.items()):
         path = checkpoint / name
+        if path.is_symlink() or not path.resolve().is_relative_to(inside):  # only the checkpoint's own files are read
+            return f"{path} is a link to a file outside the checkpoint; a checkpoint holds its files itself"
         if not path.is_file():
             return f"{path} is missing"
         if file_digest(path) != digest:
             return f"{path} does not match the digest recorded when it was written (corrupted or altered)"
+    return _unreadable_weights(checkpoint)
+
+
+def _unreadable_weights(checkpoint: Path) -> str | None:
+    """A weights file that is not safetensors (its header is read, nothing else): refused before a
+    resume moves anything."""
+    from safetensors import SafetensorError, safe_open
+
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        if path.is_symlink():  # also in checkpoints written before digests were recorded
+            return f"{path} is a link; a checkpoint holds its weights itself"
+        try:
+            with safe_open(str(path), "pt"):
+                pass
+        except (SafetensorError, OSError) as error:
+            return f"{path} is not a readable safetensors file ({str(error).splitlines()[0]})"
     return None
 
 
@@ -123,6 +171,7 @@ def load_master(checkpoint: Path, engine) -> None:
     """Give `engine` the checkpoint's weights: the float32 master if stored, else the model file
     (float32 runs: there the saved weights are the master, bit for bit); then check that they are the
     weights the checkpoint recorded (CheckpointError otherwise)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     checkpoint = Path(checkpoint)
@@ -136,6 +185,8 @@ def load_master(checkpoint: Path, engine) -> None:
                 weights.update(load_file(str(shard)))
             wanted = set(engine.trainable_names())
             engine.load_master_state({name: tensor.float() for name, tensor in weights.items() if name in wanted})
+    except SafetensorError as error:
+        raise CheckpointError(f"{checkpoint}: its weights are not a readable safetensors file ({str(error).splitlines()[0]})") from None
     except (ValueError, RuntimeError) as error:  # missing tensors, other shapes (another --lora-r, --trainable)
         raise CheckpointError(f"{checkpoint}: its weights do not fit this model ({str(error).splitlines()[0]}); resume "
                               "with the run's own --model, --trainable and LoRA settings") from None

@@ -3,7 +3,9 @@
 - A new run claims `<output-dir>/<run-name>` while holding an exclusive lock on its `.esft.lock`
   file (flock: released by the kernel however the process ends). Default names carry the time and a
   random suffix, so parallel sweeps never collide; an explicit name that is in use, or that already
-  holds a run, is refused (ConfigError: exit 2 in the CLI).
+  holds a run or files the run did not write, is refused (ConfigError: exit 2 in the CLI). The lock
+  file is opened without following links and must be a regular file of its own; a resumed directory
+  holding symbolic links is refused: esft never writes through a link planted in a run directory.
 - `find_resume_point(path)` is the one place a resume is resolved: a `checkpoint-<N>` directory, or
   the newest checkpoint of a run directory that verifies (esft.runs.checkpoint.verify: every file matches
   its recorded digest), saying which ones it passed over. A run killed before its first checkpoint
@@ -21,6 +23,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 import time
 from dataclasses import dataclass, field
@@ -135,13 +138,25 @@ class RunDir:
 
 
 def _lock(path: Path, flag: str) -> int:
-    """Take the run directory's lock, or ConfigError naming who holds it."""
+    """Take the run directory's lock, or ConfigError naming who holds it. The lock file is opened
+    without following a link and must be a regular file of its own: it is truncated to take our pid,
+    and a link planted there (a copied or downloaded run, a pre-created directory) would have that
+    write land on the file it points to."""
     lock_path = path / LOCK_FILE
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise ConfigError(flag, f"{lock_path} cannot be opened as esft's lock file ({error.strerror}: a symbolic link or "
+                          "something else esft did not write); remove it, or use a directory you made") from None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+        os.close(fd)
+        raise ConfigError(flag, f"{lock_path} is not a lock file esft wrote (a hard link, a pipe or a device); remove it, "
+                          "or use a directory you made")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = lock_path.read_text(errors="replace").strip() or "?"
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
         os.close(fd)
         raise ConfigError(flag, f"{path} is in use by another esft process (pid {holder}); wait for it to finish "
                           "or pick another directory") from None
@@ -168,6 +183,7 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
     after the resume point set aside."""
     if resume is not None:
         path = resume.run_dir
+        _refuse_links(path)
         fd = _lock(path, "resume")
         try:
             _remove_stale_temporaries(path)
@@ -180,15 +196,33 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
     for _ in range(5):
         path = output_dir / (args.run_name or default_run_name(args))
         created = next((p for p in reversed([path, *path.parents]) if not p.exists()), None)
+        flag = "run_name" if args.run_name else "output_dir"
+        if path.is_symlink():
+            raise ConfigError(flag, f"{path} is a symbolic link; a new run gets a directory of its own: pick another "
+                              "--run-name or remove the link")
         _make_dir(path)
-        fd = _lock(path, "run_name" if args.run_name else "output_dir")
-        if not holds_run(path):
+        foreign = sorted(entry.name for entry in path.iterdir() if entry.name != LOCK_FILE)
+        if foreign and args.run_name and not holds_run(path):  # never adopted: they could be links to others' files
+            raise ConfigError("run_name", f"{path} already holds files that are not a run's ({', '.join(foreign[:3])}"
+                              f"{', ...' if len(foreign) > 3 else ''}); pick another --run-name or empty it")
+        fd = _lock(path, flag)
+        if not foreign and not any(entry.name != LOCK_FILE for entry in path.iterdir()):
             return RunDir(path, fd, created=created)
         os.close(fd)
         if args.run_name:
             raise ConfigError("run_name", f"{path} already holds a run; pass --resume {path} to continue it, "
                               "or another --run-name")
     raise ConfigError("output_dir", f"could not find a free run name in {output_dir}")
+
+
+def _refuse_links(path: Path) -> None:
+    """A resumed run writes into its directory (metrics rows appended, evaluation files, events): a
+    symbolic link there (a copied or downloaded run) would have those writes land elsewhere."""
+    entries = [*path.iterdir(), *((path / "eval").iterdir() if (path / "eval").is_dir() else ())]
+    links = [str(entry.relative_to(path)) for entry in entries if entry.is_symlink()]
+    if links:
+        raise ConfigError("resume", f"{path} holds symbolic links ({', '.join(sorted(links)[:3])}), which esft never "
+                          "writes: a resumed run would write through them; remove them, then resume")
 
 
 def _remove_stale_temporaries(path: Path) -> None:
@@ -213,6 +247,7 @@ def _set_aside_later(path: Path, resume: ResumePoint) -> None:
         later += [d for d in evals.iterdir() if (m := _EVAL_DIR.match(d.name)) and (int(m.group(1)) > n or resume.checkpoint is None)]
     if resume.checkpoint is None:  # a restart from scratch: its old TensorBoard events go too
         later += list(path.glob("events.out.tfevents.*"))
+    later = [entry for entry in later if entry != resume.checkpoint]  # never the very checkpoint resumed from
     metrics = path / METRICS_FILE
     kept, dropped = _split_metrics(metrics, n if resume.checkpoint is not None else -1)
     if not later and not dropped:
