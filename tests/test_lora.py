@@ -210,8 +210,8 @@ def test_eval_takes_the_runs_settings_however_its_lora_result_is_named(cli_run, 
     for name, model in (("run", ["--model", str(cli_run / "final")]),
                         ("adapter", ["--model", str(lively_model_dir), "--lora-adapter", str(cli_run / "final")]),
                         ("merged", ["--model", str(cli_run / "final-merged")])):
-        proc = esft("eval", *model, "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", name,
-                    cwd=tmp_path)
+        proc = esft("eval", *model, "--trust-run-code",  # the run names a reward file (issue 26: code needs the opt-in)
+                    "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", name, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-2000:]
         (line,) = [line for line in proc.stderr.splitlines() if line.startswith("esft eval: evaluating with")]
         assert "max_tokens=6" in line and "eval.jsonl" in line and "task=custom" in line, line
