@@ -9,7 +9,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 
 from esft.es import strategy
 from esft.es.batches import prompt_batch
@@ -23,12 +22,13 @@ from esft.executors import build_executor
 from esft.files import make_temporary_dir
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
-from esft.rewards.runner import RewardError, Scores, failing_everywhere, mean_of, reward_runners
+from esft.rewards.runner import RewardError, Scores, failing_everywhere, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
 from esft.tasks.loading import check_prompt_lengths, render_rows
+from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo's too
 
 
 class ESTrainer:
@@ -79,6 +79,8 @@ class ESTrainer:
         self._logger: MetricsLogger | None = None
         self._progress: Any = None
         self.report_path: Path | None = None  # report.html, written by train() (esft.runs.report)
+        self._trained = False  # train() was called: a second call continues the run (train's docstring)
+        self._result: dict[str, float] = {}
 
     @property
     def run_dir(self) -> Path | None:
@@ -127,22 +129,55 @@ class ESTrainer:
 
     # ------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
-        """Run ES for `args.iterations` updates (evaluating before and after); returns the last
-        metrics, with the run's reward failure counts. Resumes from `resume_from_checkpoint` (or
-        --resume): a checkpoint, or a run directory (esft.runs.directory.find_resume_point). Then writes
-        `report.html` into the run directory (`self.report_path`), also when the run is interrupted
-        or stops with an error after it started logging."""
+        """Run ES up to `args.iterations` updates (evaluating before and after); returns the last
+        metrics, with the run's reward failure counts. Then writes `report.html` into the run
+        directory (`self.report_path`), also when the run is interrupted or stops with an error.
+
+        - `resume_from_checkpoint` (or --resume) always resumes from what it names: a checkpoint, or a
+          run directory's newest intact checkpoint (esft.runs.directory.find_resume_point), also on a
+          trainer that has trained before.
+        - A second `train()` on the same trainer (a notebook cell run again) continues the same run:
+          after a finished run it prints "already at iteration N of N" and changes nothing (raise
+          `trainer.args.iterations` to train on: the run directory gets rows N+1.. and new
+          checkpoints); after an interrupted one it resumes from the run's newest intact checkpoint,
+          as --resume would (the weights in memory may hold half an update).
+        """
         args = self.args
-        if self.run is None:
-            resume = resume_from_checkpoint or args.resume
+        if resume_from_checkpoint is not None:
+            if self.run is not None:
+                self.run.discard_if_unused()
+            self.run = open_run(args, find_resume_point(resume_from_checkpoint))
+        elif self._trained:
+            if (done := self._already_done()) is not None:
+                print(f"esft: {done}; nothing changed", file=sys.stderr)
+                return self._result
+            point = find_resume_point(self.run_dir)
+            if point.checkpoint is None and self.state.iteration > 0:
+                raise TaskError(f"{self.run_dir}: the first train() stopped before any checkpoint was written, so the "
+                                "weights in memory cannot be trusted; build a new ESTrainer")
+            self.run = open_run(args, point)
+        elif self.run is None:
+            resume = args.resume
             self.run = open_run(args, find_resume_point(resume) if resume else None)
+        self._trained = True
         try:
-            return self._train()
+            self._result = self._train()
+            return self._result
         finally:
             if self._logger is not None:
                 self._logger.close()
             self.close()
             self.report_path = report_after_training(self.run_dir)
+
+    def _already_done(self) -> str | None:
+        """Why a second train() has nothing to do (None: it has)."""
+        iteration, total = self.state.iteration, self.args.iterations
+        if iteration >= total:
+            return (f"already at iteration {iteration} of {total}; raise args.iterations (trainer.args.iterations = "
+                    f"{max(total, iteration) + 10}, say) to continue")
+        if (stop := budget_spent(self.args, self._budget)) is not None:
+            return f"{stop} at iteration {iteration}; raise the budget to continue"
+        return None
 
     def _train(self) -> dict[str, float]:
         args = self.args
@@ -163,6 +198,7 @@ class ESTrainer:
         """Before the loop: config.yaml, the resumed weights, the metrics logger and the budget so far,
         the evaluation before training, the progress bar. Returns the iteration the run starts at."""
         args, point = self.args, self.run.resume
+        self.failure_totals = {}
         self.run.write_config(args)
         start = 0
         if point is not None and point.checkpoint is not None:
@@ -316,46 +352,6 @@ class ESTrainer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-
-def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Scores], tokens: int, elapsed: float,
-                  budget: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """One iteration's metrics.jsonl row and the budget spent after it. `rewards`: what the update
-    used (ES: one per member; GRPO: one per completion); `batches`: the iteration's Scores (ES: one
-    per member; GRPO: the generation batch); `tokens`: generated for training."""
-    values = np.array(rewards, dtype=float)
-    completions = sum(len(scores.total) for scores in batches)
-    budget = {"completions": budget["completions"] + completions, "tokens": budget["tokens"] + tokens,
-              "seconds": budget["seconds"] + elapsed}
-    row = {
-        "iteration": iteration,
-        "reward/mean": float(values.mean()),
-        "reward/std": float(values.std()),
-        "reward/min": float(values.min()),
-        "reward/max": float(values.max()),
-        "completions/mean_length": tokens / completions,
-        "perf/iteration_s": elapsed,
-        "perf/tokens_per_s": tokens / elapsed,
-        "reward/failures": sum(scores.failures for scores in batches),
-        "reward/errors": sum(scores.errors for scores in batches),
-        "reward/timeouts": sum(scores.timeouts for scores in batches),
-        **{f"budget/{key}": value for key, value in budget.items()},
-    }
-    for name in batches[0].per_function:
-        present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
-        row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
-        row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
-    return row, budget
-
-
-def budget_spent(args: ESConfig, budget: dict[str, float]) -> str | None:
-    """Why training stops early: --budget-completions or --budget-tokens reached by `budget`
-    (metrics.jsonl's budget/*), said in words; None while neither is."""
-    for kind in ("completions", "tokens"):
-        limit = getattr(args, f"budget_{kind}")
-        if limit is not None and budget[kind] >= limit:
-            return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
-    return None
 
 
 def _cpu_copy(model: Any) -> Any:

@@ -1,0 +1,50 @@
+"""One iteration's metrics.jsonl row, and the budgets that stop training (ES and GRPO alike)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from esft.rewards.runner import Scores, mean_of
+
+
+def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Scores], tokens: int, elapsed: float,
+                  budget: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """One iteration's metrics.jsonl row and the budget spent after it. `rewards`: what the update
+    used (ES: one per member; GRPO: one per completion); `batches`: the iteration's Scores (ES: one
+    per member; GRPO: the generation batch); `tokens`: generated for training."""
+    values = np.array(rewards, dtype=float)
+    completions = sum(len(scores.total) for scores in batches)
+    budget = {"completions": budget["completions"] + completions, "tokens": budget["tokens"] + tokens,
+              "seconds": budget["seconds"] + elapsed}
+    row = {
+        "iteration": iteration,
+        "reward/mean": float(values.mean()),
+        "reward/std": float(values.std()),
+        "reward/min": float(values.min()),
+        "reward/max": float(values.max()),
+        "completions/mean_length": tokens / completions,
+        "perf/iteration_s": elapsed,
+        "perf/tokens_per_s": tokens / elapsed,
+        "reward/failures": sum(scores.failures for scores in batches),
+        "reward/errors": sum(scores.errors for scores in batches),
+        "reward/timeouts": sum(scores.timeouts for scores in batches),
+        **{f"budget/{key}": value for key, value in budget.items()},
+    }
+    for name in batches[0].per_function:
+        present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
+        row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
+        row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
+    return row, budget
+
+
+def budget_spent(args: Any, budget: dict[str, float]) -> str | None:
+    """Why training stops early: --budget-completions or --budget-tokens reached by `budget`
+    (metrics.jsonl's budget/*), said in words; None while neither is."""
+    for kind in ("completions", "tokens"):
+        limit = getattr(args, f"budget_{kind}")
+        if limit is not None and budget[kind] >= limit:
+            return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
+    return None

@@ -1,0 +1,96 @@
+"""Issue 20: users coming from TRL and from the paper's code, on day one: a notebook cell run twice,
+the paper's data file (train and eval rows in one file), ES-at-Scale's reward signature and
+DatasetDicts, TRL's reward configuration and keyword arguments, `train_dataset=DatasetDict`.
+
+Real tiny models, real sandbox workers, the CLI run in-process or as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from esft import ESConfig, ESTrainer
+from tiny_model import build_tiny_model
+from toy_task import byte_reward, toy_rows
+
+ROOT = Path(__file__).parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+       "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+@pytest.fixture(scope="module")
+def lively_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama whose greedy output changes under σ = 0.03 perturbations (updates are never zero)."""
+    return build_tiny_model(tmp_path_factory.mktemp("lively-model"), initializer_range=0.3)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    yield
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def weights(directory: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def small_args(tmp_path: Path, name: str, **overrides) -> ESConfig:
+    settings = dict(population_size=4, batch_size=2, max_tokens=6, iterations=2, sigma=0.03, eval_batch_size=4,
+                    save_every=1, logging="none", progress=False, output_dir=str(tmp_path), run_name=name,
+                    reward_sandbox=False)
+    return ESConfig(**(settings | overrides))
+
+
+# ------------------------------------------------------------------ 1. a notebook cell run twice
+def test_a_second_train_continues_the_run_and_a_finished_run_is_left_alone(lively_model_dir, tmp_path, capsys):
+    trainer = ESTrainer(model=str(lively_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "nb"),
+                        train_dataset=toy_rows(20), eval_dataset={"heldout": toy_rows(4, start=100)})
+    run = tmp_path / "nb"
+    first = trainer.train()
+    assert first["iteration"] == 2
+    final_after_first = weights(run / "final")
+    checkpoint_2 = (run / "checkpoint-2" / "model.safetensors").read_bytes()
+
+    # the cell run again: nothing trains, nothing is overwritten, the same result comes back
+    again = trainer.train()
+    assert "already at iteration 2 of 2" in capsys.readouterr().err
+    assert again == first
+    assert [row["iteration"] for row in metrics(run)] == [0, 1, 2]
+    assert (run / "checkpoint-2" / "model.safetensors").read_bytes() == checkpoint_2
+    assert same_weights(weights(run / "final"), final_after_first)
+
+    # more iterations: the same lineage goes on, rows 3 and 4 follow row 2
+    trainer.args.iterations = 4
+    last = trainer.train()
+    assert last["iteration"] == 4
+    assert [row["iteration"] for row in metrics(run)] == [0, 1, 2, 3, 4]
+    assert json.loads((run / "final" / "trainer_state.json").read_text())["iteration"] == 4
+
+    # ... to the very weights of one uninterrupted 4-iteration run
+    straight = ESTrainer(model=str(lively_model_dir), reward_funcs=byte_reward,
+                         args=small_args(tmp_path, "straight", iterations=4),
+                         train_dataset=toy_rows(20), eval_dataset={"heldout": toy_rows(4, start=100)})
+    straight.train()
+    assert same_weights(weights(run / "final"), weights(tmp_path / "straight" / "final"))
+    assert not same_weights(weights(run / "final"), final_after_first)
+
+    # resume_from_checkpoint on a used trainer resumes from what it names
+    trainer.train(resume_from_checkpoint=str(run / "checkpoint-2"))
+    assert "resumed from" in capsys.readouterr().err
+    assert [row["iteration"] for row in metrics(run)] == [0, 1, 2, 3, 4]
+    assert same_weights(weights(run / "final"), weights(tmp_path / "straight" / "final"))
