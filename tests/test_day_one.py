@@ -94,3 +94,58 @@ def test_a_second_train_continues_the_run_and_a_finished_run_is_left_alone(livel
     assert "resumed from" in capsys.readouterr().err
     assert [row["iteration"] for row in metrics(run)] == [0, 1, 2, 3, 4]
     assert same_weights(weights(run / "final"), weights(tmp_path / "straight" / "final"))
+
+
+# ------------------------------------------------- 2. a data file whose rows are train and eval sets
+SEEN_PROMPTS: list[str] = []
+
+
+def recording_reward(prompts, completions, answer, **kwargs):
+    """byte_reward, remembering every prompt it scored (in-process: --no-reward-sandbox)."""
+    SEEN_PROMPTS.extend(prompts)
+    return byte_reward(prompts, completions, answer)
+
+
+def cli_train(model: Path, tmp_path: Path, name: str, *extra: str) -> int:
+    from esft.cli import main
+
+    return main(["train", "--model", str(model), "--population-size", "2", "--batch-size", "2",
+                 "--max-tokens", "4", "--iterations", "1", "--eval-batch-size", "8", "--logging", "none",
+                 "--no-progress", "--output-dir", str(tmp_path), "--run-name", name, "--no-reward-sandbox", *extra])
+
+
+@pytest.fixture
+def countdown_like_file(tmp_path) -> Path:
+    """The paper's countdown.json layout in small: rows 0-7 are the training set, rows 8-11 the eval set."""
+    path = tmp_path / "countdown.json"
+    path.write_text(json.dumps([{"id": i, "prompt": f"Q{i}: {i} + {i} =", "answer": str(2 * i)} for i in range(12)]))
+    return path
+
+
+def test_train_eval_overlap_is_said_recorded_and_row_slices_split_one_file(countdown_like_file, tiny_model_dir, tmp_path,
+                                                                            capsys):
+    data = str(countdown_like_file)
+    reward = "test_day_one:recording_reward"
+    assert cli_train(tiny_model_dir, tmp_path, "all", "--train-data", data, "--eval-data", data, "--reward-funcs", reward) == 0
+    err = capsys.readouterr().err
+    assert "eval rows whose prompt is also a training prompt: countdown 12 of 12" in err and "--train-rows" in err
+    state = json.loads((tmp_path / "all" / "final" / "trainer_state.json").read_text())
+    assert state["train_eval_overlap"] == {"countdown": 12}
+
+    SEEN_PROMPTS.clear()
+    assert cli_train(tiny_model_dir, tmp_path, "split", "--train-data", data, "--eval-data", data, "--reward-funcs", reward,
+                     "--train-rows", "0:8", "--eval-rows", "8:", "--eval-size", "3") == 0
+    assert "countdown 0 of 3" in capsys.readouterr().err
+    evaluated = [json.loads(line)["prompt"] for line in
+                 (tmp_path / "split" / "eval" / "iteration-0" / "countdown.jsonl").read_text().splitlines()]
+    assert evaluated == ["Q8: 8 + 8 =", "Q9: 9 + 9 =", "Q10: 10 + 10 ="]  # rows 8:, the first 3 (--eval-size)
+    trained = set(SEEN_PROMPTS) - set(evaluated)
+    assert trained and trained <= {f"Q{i}: {i} + {i} =" for i in range(8)}
+    state = json.loads((tmp_path / "split" / "final" / "trainer_state.json").read_text())
+    assert state["train_eval_overlap"] == {"countdown": 0}
+
+    # a slice that selects nothing, or is not a slice: one line, exit 2
+    assert cli_train(tiny_model_dir, tmp_path, "bad", "--train-data", data, "--reward-funcs", reward, "--train-rows", "50:60") == 2
+    assert "--train-rows 50:60: selects no row" in capsys.readouterr().err
+    assert cli_train(tiny_model_dir, tmp_path, "bad2", "--train-data", data, "--reward-funcs", reward, "--train-rows", "0-200") == 2
+    assert "--train-rows: expected START:STOP" in capsys.readouterr().err

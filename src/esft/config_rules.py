@@ -48,7 +48,7 @@ def check(config) -> None:
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
                "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
     for name, low in minimum.items():
-        if getattr(config, name) < low:
+        if getattr(config, name) is not None and getattr(config, name) < low:
             raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {config.gpu_memory_utilization}")
@@ -97,6 +97,7 @@ def check(config) -> None:
                           f"--reward-funcs/--reward-model/--reward-url build their own task from --train-data/--eval-data; "
                           f"drop --task {config.task}" if config.custom_rewards() else "--task custom needs --reward-funcs module:function")
     _check_reward_services(config)
+    _check_data_selection(config)
     if not config.reward_timeout > 0:
         raise ConfigError("reward_timeout", f"must be > 0 seconds, got {config.reward_timeout}")
     if not config.temperature >= 0:
@@ -290,3 +291,21 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
     }[base]
     if not ok:
         raise ConfigError(name, f"must be {'an' if base == 'int' else 'a'} {base}, got {value!r}")
+
+
+def _check_data_selection(config) -> None:
+    """--train-rows/--eval-rows are START:STOP slices; --prompt-column/--prompt-template need data of
+    their own (a registered task or a --task factory builds its own prompts)."""
+    for name in ("train_rows", "eval_rows"):
+        value = getattr(config, name)
+        if value is not None and not re.fullmatch(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*", value):
+            raise ConfigError(name, f"expected START:STOP such as 0:200, 200: or :-100 (a Python slice of the rows), "
+                              f"got {value!r}")
+    if config.prompt_column is not None and config.prompt_template is not None:
+        raise ConfigError("prompt_column", "give --prompt-column or --prompt-template, not both (a template names "
+                          "its columns itself, e.g. '{context}')")
+    for name in ("prompt_column", "prompt_template"):
+        if getattr(config, name) is not None and config.task != "custom" and not config.custom_rewards():
+            if config.task != "countdown" or config.train_data is not None or config.eval_data is not None:
+                raise ConfigError(name, f"applies to data given with --reward-funcs (or --reward-model, --reward-url) "
+                                  f"or to ESTrainer's datasets; --task {config.task} builds its own prompts")

@@ -28,6 +28,7 @@ from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
 from esft.tasks.loading import check_prompt_lengths, render_rows
+from esft.tasks.selection import overlap_line, select_rows
 from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo's too
 
 
@@ -97,8 +98,14 @@ class ESTrainer:
             if args.task not in TASKS and args.task != "custom" and not is_spec(args.task):
                 raise TaskError(f"--task: unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
                                 "or module:function / path/to/file.py:function")
-            return task_from_config(args, args.parsed_reward_weights())
-        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func, args.reward_model_device)
+            task = task_from_config(args, args.parsed_reward_weights())
+        else:
+            task = task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func,
+                                     args.reward_model_device, args.prompt_column, args.prompt_template)
+        task = select_rows(task, args.train_rows, args.eval_rows, args.eval_size)
+        if args.iterations > 0 and (line := overlap_line(task)):
+            print(f"esft: {line}", file=sys.stderr)
+        return task
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:
@@ -331,7 +338,8 @@ class ESTrainer:
 
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:
-        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": self.engine.checksum()}
+        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": self.engine.checksum(),
+                 "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
         save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
 
     def save_model(self, path: str | Path, merged: bool = False) -> None:
