@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+import esft
 from safetensors.torch import load_file
 
 from esft import ESConfig, ESTrainer
@@ -22,8 +24,9 @@ from tiny_model import build_tiny_model
 from toy_task import byte_reward, toy_rows
 
 ROOT = Path(__file__).parents[1]
+ESFT_SRC = Path(esft.__file__).parents[1]  # the esft under test, in subprocesses too
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
-       "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+       "PYTHONPATH": str(ESFT_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def same_weights(a: dict, b: dict) -> bool:
 def small_args(tmp_path: Path, name: str, **overrides) -> ESConfig:
     settings = dict(population_size=4, batch_size=2, max_tokens=6, iterations=2, sigma=0.03, eval_batch_size=4,
                     save_every=1, logging="none", progress=False, output_dir=str(tmp_path), run_name=name,
-                    reward_sandbox=False)
+                    reward_sandbox=False, reward_timeout=120)  # a worker's first call imports this heavy module
     return ESConfig(**(settings | overrides))
 
 
@@ -149,3 +152,119 @@ def test_train_eval_overlap_is_said_recorded_and_row_slices_split_one_file(count
     assert "--train-rows 50:60: selects no row" in capsys.readouterr().err
     assert cli_train(tiny_model_dir, tmp_path, "bad2", "--train-data", data, "--reward-funcs", reward, "--train-rows", "0-200") == 2
     assert "--train-rows: expected START:STOP" in capsys.readouterr().err
+
+
+# ------------------------------------ 3. ES-at-Scale's rewards and DatasetDicts, through the CLI and the API
+THEIR_REWARD = '''
+def reward_function(model_output: str, target: str, fast=False):
+    """ES-at-Scale's signature: (label, reward) for one completion and its target."""
+    assert isinstance(model_output, str) and isinstance(target, str)
+    return ("long_target" if len(target) > 1 else "short_target"), len(target) / 10
+'''
+
+
+@pytest.fixture
+def their_data(tmp_path) -> tuple[Path, Path, Path]:
+    """Their layout: save_to_disk DatasetDicts with a context column and no prompt; their reward file."""
+    import datasets
+
+    def rows(ids):
+        return [{"id": str(i), "context": f"Using the numbers [{i} {i}], make {2 * i}.", "numbers": f"[{i}, {i}]",
+                 "target": str(2 * i), "solution": f"({i} + {i})"} for i in ids]
+
+    train, evaluation = tmp_path / "train" / "countdown", tmp_path / "evaluation_suite" / "countdown"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows(range(8)))}).save_to_disk(str(train))
+    datasets.DatasetDict({"countdown_eval": datasets.Dataset.from_list(rows(range(3, 7)))}).save_to_disk(str(evaluation))
+    reward_file = tmp_path / "their_rewards.py"
+    reward_file.write_text(THEIR_REWARD)
+    return train, evaluation, reward_file
+
+
+def test_es_at_scale_rewards_and_datasetdicts_work_as_they_are(their_data, tiny_model_dir, tmp_path):
+    train, evaluation, reward_file = their_data
+    proc = subprocess.run(
+        [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(train),
+         "--eval-data", str(evaluation), "--prompt-column", "context", "--reward-funcs", f"{reward_file}:reward_function",
+         "--target-column", "target", "--population-size", "2", "--batch-size", "3", "--max-tokens", "4",
+         "--iterations", "1", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path / "runs"),
+         "--run-name", "theirs"], env=ENV, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    rows = metrics(tmp_path / "runs" / "theirs")
+    targets = [str(2 * i) for i in range(3, 7)]  # 6, 8, 10, 12: the reward is len(target) / 10
+    assert rows[0]["eval/countdown_eval/reward"] == pytest.approx(sum(len(t) for t in targets) / 40)
+    assert rows[0]["eval/countdown_eval/rewards/reward_function/labels/long_target"] == 2
+    assert rows[0]["eval/countdown_eval/rewards/reward_function/labels/short_target"] == 2
+    counted = sum(value for key, value in rows[1].items() if key.startswith("rewards/reward_function/labels/"))
+    assert counted == 2 * 3  # every sample of the iteration (2 members x 3 prompts) counted under its label
+    sample = json.loads((tmp_path / "runs" / "theirs" / "eval" / "iteration-0" / "countdown_eval.jsonl")
+                        .read_text().splitlines()[0])
+    assert sample["prompt"] == "Using the numbers [3 3], make 6." and sample["labels"] == {"reward_function": "short_target"}
+
+    # the API: the same function, their DatasetDicts as load_from_disk returns them
+    import datasets
+
+    from esft.rewards.usercode import load_callable
+
+    trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=load_callable(f"{reward_file}:reward_function", "test"),
+                        args=small_args(tmp_path, "api", iterations=1, prompt_column="context", target_column="target",
+                                        reward_sandbox=True),
+                        train_dataset=datasets.load_from_disk(str(train)),
+                        eval_dataset=datasets.load_from_disk(str(evaluation)))
+    assert len(trainer.task.train_dataset) == 8
+    assert trainer.evaluate()["eval/countdown_eval/reward"] == pytest.approx(sum(len(t) for t in targets) / 40)
+    trainer.close()
+
+
+def test_a_datasetdict_as_train_dataset_takes_its_train_split_or_names_the_splits(tiny_model_dir, tmp_path):
+    import datasets
+
+    from esft.tasks import TaskError
+
+    data = datasets.DatasetDict({"train": datasets.Dataset.from_list(toy_rows(6)),
+                                 "test": datasets.Dataset.from_list(toy_rows(2, start=50))})
+    trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "dd"),
+                        train_dataset=data, eval_dataset=data["test"])
+    assert [row["prompt"] for row in trainer.task.train_dataset] == [row["prompt"] for row in toy_rows(6)]
+    trainer.close()
+    with pytest.raises(TaskError, match=r"splits a, b and none is named 'train'"):
+        ESTrainer(model=str(tiny_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "dd2"),
+                  train_dataset=datasets.DatasetDict({"a": data["train"], "b": data["test"]}))
+
+
+# ---------------------------------------- 4. TRL's reward configuration and keyword arguments
+def judge(prompts, completions, trainer_state, log_metric, log_extra, **kwargs):
+    """A TRL-style reward that reads trainer_state and logs a metric and a column."""
+    log_metric("judge/global_step", trainer_state.global_step)
+    log_metric("judge/max_steps", trainer_state.max_steps)
+    log_extra("judge_note", [f"len {len(c)}" for c in completions])
+    return [1.0] * len(completions)
+
+
+def constant_two(prompts, completions, **kwargs):
+    return [2.0] * len(completions)
+
+
+def test_trl_reward_weights_list_and_trainer_state_log_metric_log_extra(tiny_model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    args = small_args(tmp_path, "trl", iterations=2, reward_weights=[1.0, 0.5], reward_sandbox=True, logging="tensorboard")
+    trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=[judge, constant_two], args=args,
+                        train_dataset=toy_rows(6), eval_dataset={"heldout": toy_rows(2, start=50)})
+    trainer.train()
+    rows = metrics(tmp_path / "trl")
+    assert [row["reward/mean"] for row in rows[1:]] == [2.0, 2.0]  # 1.0 x 1 + 2.0 x 0.5
+    assert [row["judge/global_step"] for row in rows[1:]] == [0, 1]  # updates done when the iteration scored
+    assert rows[1]["judge/max_steps"] == 2
+    assert rows[0]["eval/heldout/judge/global_step"] == 0 and rows[2]["eval/heldout/judge/global_step"] == 2
+    sample = json.loads((tmp_path / "trl" / "eval" / "iteration-2" / "heldout.jsonl").read_text().splitlines()[0])
+    assert sample["judge_note"] == f"len {len(sample['completion'])}"
+    events = EventAccumulator(str(tmp_path / "trl"))
+    events.Reload()
+    assert [event.value for event in events.Scalars("judge/global_step")] == [0, 1]
+
+    # the string form with functions given to ESTrainer, and a count that does not match: one clear error
+    from esft.tasks import TaskError
+
+    with pytest.raises(TaskError, match="reward_weights has 3 values for 2 reward functions"):
+        ESTrainer(model=str(tiny_model_dir), reward_funcs=[judge, constant_two], train_dataset=toy_rows(6),
+                  args=small_args(tmp_path, "trl2", reward_weights="1,0.5,2"))

@@ -78,7 +78,7 @@ class ESConfig(RunFields):
             self.alpha = self.sigma / 2 if is_number(self.sigma) else None
         if self.lora_alpha is None and is_number(self.lora_r) and self.lora_r > 0:
             self.lora_alpha = 2.0 * self.lora_r
-        for name in ("reward_model", "reward_url"):  # a list (Python, YAML) means the same as commas
+        for name in ("reward_model", "reward_url", "reward_weights"):  # a list (Python, YAML; GRPOConfig's form) = commas
             if isinstance(getattr(self, name), (list, tuple)):
                 setattr(self, name, ",".join(str(item) for item in getattr(self, name)))
         if self.custom_rewards() and self.task == "countdown":  # the default task: the rewards replace it

@@ -239,13 +239,15 @@ def reward_weights(config) -> list[float] | None:
     --reward-model, then --reward-url)."""
     if config.reward_weights is None:
         return None
-    if not config.custom_rewards():
-        raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url (a --task sets "
-                          "its own weights)")
     try:
         weights = [float(w) for w in config.reward_weights.split(",")]
     except ValueError:
-        raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5; got {config.reward_weights!r}") from None
+        raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5 (or a list); got "
+                          f"{config.reward_weights!r}") from None
+    if not config.custom_rewards():  # functions given to ESTrainer: it checks the count against them
+        if not all(math.isfinite(w) for w in weights):
+            raise ConfigError("reward_weights", f"must be finite numbers, got {config.reward_weights!r}")
+        return weights
     count = sum(len(split_list(value)) for value in (config.reward_funcs, config.reward_model, config.reward_url))
     if len(weights) != count or not all(math.isfinite(w) for w in weights):
         raise ConfigError("reward_weights", f"{config.reward_weights!r} must be {count} finite numbers, one per reward "

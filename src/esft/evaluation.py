@@ -21,6 +21,7 @@ from typing import Any
 
 from esft.engines.base import Sampling
 from esft.files import write_text_atomic
+from esft.iteration_metrics import logged_metrics
 from esft.rewards.runner import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
 from esft.tasks.base import Task
 
@@ -78,6 +79,7 @@ def evaluate_split(
     scores = rewards.score(expanded, generation.texts, generation.token_ids)
     _stop_if_unscorable(scores, split)
     metrics = {"reward": scores.mean(), "mean_length": sum(generation.num_tokens) / len(generation.num_tokens)}
+    metrics |= logged_metrics([scores])  # TRL's log_metric values, labels of (label, reward) rewards
     if accuracy is not None:
         accuracy_scores = scores if accuracy is rewards else accuracy.score(expanded, generation.texts, generation.token_ids)
         _stop_if_unscorable(accuracy_scores, split)
@@ -104,6 +106,9 @@ def evaluate_split(
             sample["sample"] = i % k
         if len(scores.per_function) > 1:
             sample["rewards"] = {name: values[i] for name, values in scores.per_function.items()}
+        if scores.labels:
+            sample["labels"] = {name: labels[i] for name, labels in scores.labels.items()}
+        sample |= {column: values[i] for column, values in scores.extras.items() if i < len(values) and _jsonable(values[i])}
         if accuracy is not None:
             sample["accuracy"] = accuracies[i]
         if token_kl is not None:

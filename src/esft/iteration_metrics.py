@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,22 @@ def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Sc
         present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
         row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
         row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
-    return row, budget
+    return row | logged_metrics(batches), budget
+
+
+def logged_metrics(batches: Sequence[Scores]) -> dict[str, float]:
+    """What reward functions logged over these batches: TRL's log_metric values averaged under their
+    own name (as TRL logs them), and the labels of (label, reward) rewards counted as
+    `rewards/<fn>/labels/<label>` (esft.rewards.conventions)."""
+    row: dict[str, float] = {}
+    for name in dict.fromkeys(name for scores in batches for name in scores.logged):
+        values = [value for scores in batches for value in scores.logged.get(name, [])]
+        row[name] = float(np.mean(values))
+    for function in dict.fromkeys(name for scores in batches for name in scores.labels):
+        labels = [label for scores in batches for label in scores.labels.get(function, []) if label is not None]
+        for label, count in Counter(labels).items():
+            row[f"rewards/{function}/labels/{label}"] = count
+    return row
 
 
 def budget_spent(args: Any, budget: dict[str, float]) -> str | None:

@@ -13,7 +13,7 @@ from typing import Any
 from esft.es import strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
-from esft.config import ESConfig, model_path
+from esft.config import ConfigError, ESConfig, model_path
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.lora import export_merged, uses_adapter
@@ -22,6 +22,7 @@ from esft.executors import build_executor
 from esft.files import make_temporary_dir
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
+from esft.rewards.conventions import RewardTrainerState
 from esft.rewards.runner import RewardError, Scores, failing_everywhere, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
@@ -98,10 +99,15 @@ class ESTrainer:
             if args.task not in TASKS and args.task != "custom" and not is_spec(args.task):
                 raise TaskError(f"--task: unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
                                 "or module:function / path/to/file.py:function")
+            if args.reward_weights is not None and not args.custom_rewards():
+                raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url, or reward "
+                                  "functions given to ESTrainer (a --task sets its own weights)")
             task = task_from_config(args, args.parsed_reward_weights())
         else:
-            task = task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func,
-                                     args.reward_model_device, args.prompt_column, args.prompt_template)
+            weights = reward_weights if reward_weights is not None else args.parsed_reward_weights()  # GRPOConfig's
+            task = task_from_objects(reward_funcs, train_dataset, eval_dataset, weights, accuracy_func,
+                                     args.reward_model_device, args.prompt_column, args.prompt_template,
+                                     args.target_column)
         task = select_rows(task, args.train_rows, args.eval_rows, args.eval_size)
         if args.iterations > 0 and (line := overlap_line(task)):
             print(f"esft: {line}", file=sys.stderr)
@@ -120,7 +126,15 @@ class ESTrainer:
             folder = self.run_dir / "eval" / f"iteration-{iteration if iteration is not None else self.state.iteration}"
         generate = lambda prompts, sampling: self.executor.generate(prompts, args.eval_batch_size, sampling)  # noqa: E731
         kl = self._kl_scorer() if self.task.report_kl else None
+        self._tell_rewards()
         return evaluate_task(generate, self.task, self.rewards, self.accuracy, settings, kl, folder)
+
+    def _tell_rewards(self) -> None:
+        """TRL's `trainer_state` for reward functions: updates done so far, of --iterations."""
+        state = RewardTrainerState(self.state.iteration, self.args.iterations)
+        for runner in (self.rewards, self.accuracy):
+            if runner is not None:
+                runner.trainer_state = state
 
     def _kl_scorer(self):
         """KL(current || base) per token; base = --base-model, else the initial weights of --model."""
@@ -193,6 +207,7 @@ class ESTrainer:
         while self.state.iteration < args.iterations and not budget_spent(args, self._budget):
             started = time.perf_counter()
             seeds = strategy.ask(self.state, args.population_size)
+            self._tell_rewards()
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
             self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
             state, coefficients = strategy.tell(self.state, [member.reward for member in members], args.alpha, args.reward_shaping)

@@ -115,6 +115,7 @@ class GRPOBaseline(ESTrainer):
         """TRL's reward function: the batch's rows scored by esft's RewardRunner (sandbox, failure
         rules); RewardError (after a checkpoint) when a generation batch cannot be scored."""
         rows = [self.task.train_dataset[index] for index in columns[ROW_COLUMN]]
+        self._tell_rewards()
         scores = self.rewards.score(rows, completions, completion_ids)
         self._stop_if_unscorable([scores], first=self._first_batch)
         self._first_batch = False

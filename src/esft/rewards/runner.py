@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from esft.rewards.conventions import TRL, TRL_EXTRAS, RewardTrainerState, convention_of, target_column
 from esft.rewards.values import TRUSTED_ATTRIBUTE, RewardCall, call_reward, trusted_reward
 from esft.rewards.sandbox import Outcome, WorkerPool
 from esft.rewards.usercode import ByReference, NotShippable, describe, ship
@@ -33,7 +34,7 @@ logger = logging.getLogger("esft")
 # TRL's reward signature: f(prompts, completions, completion_ids, **columns) -> list[float | None];
 # None = no score.
 RewardFunc = Callable[..., Sequence[float | None]]
-PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids") + TRL_EXTRAS
 """What every reward call provides besides the data's columns."""
 PROMPT_SOURCE = "_prompt_source"
 """Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
@@ -74,6 +75,12 @@ class Scores:
     failed: dict[str, int] = field(default_factory=dict)
     """Failed samples per function."""
     first_failure: dict[str, Failure] = field(default_factory=dict)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    """Values reward functions passed to TRL's log_metric, by name (esft.rewards.conventions)."""
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    """Per-sample columns reward functions passed to TRL's log_extra."""
+    labels: dict[str, list[str | None]] = field(default_factory=dict)
+    """Per function returning (label, reward) pairs (ES-at-Scale's convention): each sample's label."""
 
     def mean(self) -> float:
         """Mean over scored samples; the failure reward when no sample was scored (so one member
@@ -155,6 +162,7 @@ def reward_runners(task: Any, args: Any) -> tuple[RewardRunner, RewardRunner | N
     The trainer and every Ray actor score through these."""
     options = dict(failure_reward=args.failure_reward, sandbox=args.reward_sandbox, timeout=args.reward_timeout,
                    memory_mb=args.reward_memory_mb, workers=args.reward_workers)
+    options["target_column"] = getattr(args, "target_column", None)
     rewards = RewardRunner(task.reward_funcs, task.reward_weights, **options)
     if task.accuracy_func is None:
         return rewards, None
@@ -180,8 +188,13 @@ class RewardRunner:
         timeout: float = 10.0,
         memory_mb: int = 0,
         workers: int = 2,
+        target_column: str | None = None,
     ):
         self.funcs = list(reward_funcs)
+        self.conventions = [convention_of(func) for func in self.funcs]
+        self.target_column = target_column
+        self.trainer_state: RewardTrainerState | None = None
+        """What reward functions get as TRL's `trainer_state` (the trainer sets it before scoring)."""
         self.weights = list(weights) if weights is not None else [1.0] * len(self.funcs)
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"{len(self.weights)} reward weights for {len(self.funcs)} reward functions")
@@ -217,15 +230,22 @@ class RewardRunner:
             arguments["completion_ids"] = [list(ids) for ids in completion_ids]
         results: list[Any] = [None] * len(self.funcs)
         jobs, slots = [], []
+        target = target_column(arguments, self.target_column)
         for i, (func, shipped, accepted) in enumerate(zip(self.funcs, self.shipped, self.accepted)):
-            kwargs = arguments if accepted is None else {k: v for k, v in arguments.items() if k in accepted}
+            convention = self.conventions[i]
+            if convention != TRL:  # called per sample with its text and target (esft.rewards.conventions)
+                kwargs, hooks = arguments, ()
+            else:
+                kwargs = arguments if accepted is None else {k: v for k, v in arguments.items() if k in accepted}
+                hooks = tuple(name for name in TRL_EXTRAS if accepted is None or name in accepted)
+            options = {"convention": convention, "target": target, "hooks": hooks, "trainer_state": self.trainer_state}
             if shipped is None:
                 try:
-                    results[i] = Outcome("ok", call_reward(func, kwargs, n))
+                    results[i] = Outcome("ok", call_reward(func, kwargs, n, options))
                 except Exception as error:  # noqa: BLE001 - MemoryError and friends from user code
                     results[i] = Outcome("error", message=describe(error))
             else:
-                jobs.append((_CALL_REWARD, (shipped, kwargs, n), {}))
+                jobs.append((_CALL_REWARD, (shipped, kwargs, n, options), {}))
                 slots.append(i)
         if jobs:
             if self.pool is None:
@@ -235,6 +255,8 @@ class RewardRunner:
         scores = Scores(total=[None] * n, failure_reward=self.failure_reward)
         for name, weight, outcome in zip(self.names, self.weights, results):
             values, errors, failure = self._values(name, outcome, n)
+            if outcome.ok:
+                self._collect(scores, name, RewardCall(*outcome.value))
             cleaned = [self.failure_reward if i in errors else value for i, value in enumerate(values)]
             if outcome.kind == "timeout":
                 scores.timeouts += len(errors)
@@ -249,6 +271,15 @@ class RewardRunner:
                     scores.total[i] = (scores.total[i] or 0.0) + weight * value
         scores.failures = scores.errors + scores.timeouts
         return scores
+
+    @staticmethod
+    def _collect(scores: Scores, name: str, call: RewardCall) -> None:
+        """What a call logged (TRL's log_metric, log_extra) and its labels, into the batch's Scores."""
+        for metric, values in (call.logged or {}).items():
+            scores.logged.setdefault(metric, []).extend(values)
+        scores.extras.update(call.extras or {})
+        if call.labels is not None:
+            scores.labels[name] = call.labels
 
     def _values(self, name: str, outcome: Outcome, n: int) -> tuple[list[float | None], dict[int, str], Failure | None]:
         """One function's values, failed samples and first failure, logging each kind once."""
