@@ -268,3 +268,33 @@ def test_trl_reward_weights_list_and_trainer_state_log_metric_log_extra(tiny_mod
     with pytest.raises(TaskError, match="reward_weights has 3 values for 2 reward functions"):
         ESTrainer(model=str(tiny_model_dir), reward_funcs=[judge, constant_two], train_dataset=toy_rows(6),
                   args=small_args(tmp_path, "trl2", reward_weights="1,0.5,2"))
+
+
+# ------------------------------------------------ 5. async rewards and verl's compute_score
+async def async_judge(prompts, completions, answer, **kwargs):
+    """An LLM-judge-like reward: awaits (here a sleep instead of an HTTP call)."""
+    import asyncio
+
+    await asyncio.sleep(0.01)
+    return [float(len(c) + len(a)) for c, a in zip(completions, answer)]
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's signature; a dict result gives its "score"."""
+    assert data_source == "toy" and extra_info == {"index": int(ground_truth)}
+    return {"score": float(solution_str.strip() == ground_truth), "acc": 1.0}
+
+
+def test_async_rewards_and_verl_compute_score_score_in_the_sandbox():
+    from esft.rewards.runner import RewardRunner
+
+    rows = [{"prompt": f"p{i}", "answer": str(i), "data_source": "toy", "reward_model": {"ground_truth": str(i)},
+             "extra_info": {"index": i}} for i in range(3)]
+    runner = RewardRunner([async_judge, compute_score], timeout=120, workers=2, target_column="reward_model")
+    try:
+        scores = runner.score(rows, ["0", " 7", "22"])
+        assert scores.failures == 0, scores.first_failure
+        assert scores.per_function["async_judge"] == [2.0, 3.0, 3.0]
+        assert scores.per_function["compute_score"] == [1.0, 0.0, 0.0]
+    finally:
+        runner.close()
