@@ -298,3 +298,33 @@ def test_async_rewards_and_verl_compute_score_score_in_the_sandbox():
         assert scores.per_function["compute_score"] == [1.0, 0.0, 0.0]
     finally:
         runner.close()
+
+
+# ------------------------------------------------------------------------------- 7. smaller things
+def test_finished_run_resumed_adds_no_row_and_accuracy_after_is_its_own_line(tiny_model_dir, tmp_path):
+    """`esft train` with stderr going to a file (a job log), then --resume of the finished run."""
+    argv = [sys.executable, str(ROOT / "tests" / "toy_task.py"), "train", "--task", "toy", "--model", str(tiny_model_dir),
+            "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--iterations", "2",
+            "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "log"]
+    with open(tmp_path / "stderr.txt", "w") as log:
+        proc = subprocess.run(argv, env=ENV, stdout=subprocess.PIPE, stderr=log, text=True, timeout=240)
+    err = (tmp_path / "stderr.txt").read_text()
+    assert proc.returncode == 0, err
+    assert any(line.startswith("heldout accuracy after: ") for line in err.splitlines()), err
+    assert [row["iteration"] for row in metrics(tmp_path / "log")] == [0, 1, 2]
+
+    resumed = subprocess.run([*argv[:2], "train", "--resume", str(tmp_path / "log"), "--no-progress"], env=ENV,
+                             capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "already at iteration 2 of 2" in resumed.stderr
+    assert [row["iteration"] for row in metrics(tmp_path / "log")] == [0, 1, 2]
+    assert "heldout accuracy: " in resumed.stdout  # the summary still reports the run's final numbers
+
+
+def test_trainer_model_and_processing_class_as_in_trl(tiny_model_dir, tmp_path):
+    trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "attrs"),
+                        train_dataset=toy_rows(4))
+    assert trainer.model is trainer.engine.model and trainer.model.config.num_hidden_layers == 2
+    assert trainer.processing_class is trainer.engine.tokenizer
+    assert trainer.processing_class.decode(trainer.processing_class("2 + 2")["input_ids"]) == "2 + 2"
+    trainer.close()

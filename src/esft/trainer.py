@@ -30,6 +30,7 @@ from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
 from esft.tasks.loading import check_prompt_lengths, render_rows
 from esft.tasks.selection import overlap_line, select_rows
+from esft.console import progress_bar, report_accuracy
 from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo's too
 
 
@@ -83,6 +84,16 @@ class ESTrainer:
         self.report_path: Path | None = None  # report.html, written by train() (esft.runs.report)
         self._trained = False  # train() was called: a second call continues the run (train's docstring)
         self._result: dict[str, float] = {}
+
+    @property
+    def model(self) -> Any:
+        """The model being trained (the engine's; None for engines that keep it elsewhere, e.g. vLLM)."""
+        return getattr(self.engine, "model", None)
+
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer, as TRL names it."""
+        return self.engine.tokenizer
 
     @property
     def run_dir(self) -> Path | None:
@@ -236,8 +247,8 @@ class ESTrainer:
             self.initial_metrics = before = self._evaluate_or_stop(start, "nothing was trained")
             self._logger.log({"iteration": 0, **before})
             if args.iterations:
-                _report("before", before)
-        self._progress = _progress(args, start)
+                report_accuracy("before", before)
+        self._progress = progress_bar(args.iterations, start, args.algorithm.upper(), enabled=args.progress)
         return start
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
@@ -255,8 +266,6 @@ class ESTrainer:
                   "final/ follow)", file=sys.stderr)
         if final or (args.eval_every and iteration % args.eval_every == 0):
             row |= self._evaluate_or_stop(iteration, "the weights are in")
-            if final:
-                _report("after", row)
         self._logger.log(row)
         if args.save_every and iteration % args.save_every == 0:
             self._save(self.run_dir / f"checkpoint-{iteration}")
@@ -270,12 +279,16 @@ class ESTrainer:
     def _end(self, last: dict[str, float], start: int) -> dict[str, float]:
         """After the loop: the final evaluation of a run resumed at its end, final/, the failure counts."""
         args = self.args
-        self._progress.close()
+        self._progress.close()  # before the "accuracy after" lines: never glued to the bar's last line
         if not last and start > 0 and (start == args.iterations or budget_spent(args, self._budget)):
-            # resumed at the end (of the iterations or of the budget): the final evaluation again
-            last = {"iteration": start, **self._evaluate_or_stop(start, "the weights are in")}
-            self._logger.log(last)
-            _report("after", last)
+            # resumed at the end (of the iterations or of the budget): its final row again, evaluated if it has none
+            last = self._logger.row_of(start) or {}
+            if not any(key.startswith("eval/") for key in last):
+                last = {"iteration": start, **self._evaluate_or_stop(start, "the weights are in")}
+                self._logger.log(last)
+            print(f"esft: already at iteration {start} of {args.iterations}: nothing to train", file=sys.stderr)
+        if last and args.iterations:
+            report_accuracy("after", last)
         if args.iterations > 0:
             self._save(self.run_dir / "final")
             if uses_adapter(self.engine, args):  # LoRA-ES: final/ is the adapter; final-merged/ the merged model
@@ -383,16 +396,3 @@ def _cpu_copy(model: Any) -> Any:
     import torch
 
     return copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
-
-
-def _report(when: str, metrics: dict[str, float]) -> None:
-    for key, value in metrics.items():
-        if key.endswith("/accuracy"):
-            print(f"{key.split('/')[1]} accuracy {when}: {100 * value:.1f}%", file=sys.stderr)
-
-
-def _progress(args: ESConfig, start: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
-                disable=not args.progress or args.iterations == 0)

@@ -53,6 +53,16 @@ class MetricsLogger:
                     budget = {key: row.get(f"budget/{key}", budget[key]) for key in budget}
         return budget
 
+    def row_of(self, iteration: int) -> dict[str, Any] | None:
+        """The last row already logged for `iteration` (None if there is none)."""
+        found = None
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                row = _row(line)
+                if row is not None and row.get("iteration") == iteration:
+                    found = row
+        return found
+
     def log(self, row: dict[str, Any]) -> None:
         """Append one row (must hold `iteration`); a row is written with one write call and flushed."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
