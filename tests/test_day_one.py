@@ -328,3 +328,27 @@ def test_trainer_model_and_processing_class_as_in_trl(tiny_model_dir, tmp_path):
     assert trainer.processing_class is trainer.engine.tokenizer
     assert trainer.processing_class.decode(trainer.processing_class("2 + 2")["input_ids"]) == "2 + 2"
     trainer.close()
+
+
+def test_trl_names_get_the_esft_flag_in_python_yaml_and_the_cli(tmp_path, capsys):
+    from esft.cli import main
+    from esft.config import ConfigError
+
+    with pytest.raises(TypeError, match=r"max-completion-length.*TRL's name; did you mean --max-tokens"):
+        ESConfig(max_completion_length=128)
+    with pytest.raises(ConfigError, match=r"report-to.*did you mean --logging"):
+        ESConfig(report_to="none")
+    with pytest.raises(ConfigError, match=r"learning-rate: is a GRPO setting.*in an ES run, did you mean --alpha"):
+        ESConfig(learning_rate=1e-5)
+    with pytest.raises(ConfigError, match=r"per-device-train-batch-size.*did you mean --batch-size"):
+        ESConfig(per_device_train_batch_size=4)
+
+    with pytest.raises(SystemExit) as exited:  # argparse exits
+        main(["train", "--max-completion-length", "128"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "did you mean --max-tokens" in err[0]
+    (tmp_path / "run.yaml").write_text("report_to: none\nmax_steps: 3\n")
+    assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "report-to is TRL's name; did you mean --logging" in err[0]

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
+from esft.trl_names import unknown_setting
 
 USER_ERROR = 2
 EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
@@ -38,6 +39,10 @@ def _int_or_word(text: str) -> int | str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit code 2, like every other user error
+        unknown = re.match(r"unrecognized arguments: (--[\w-]+)", message)
+        if unknown:  # TRL's name for an esft flag, or a typo: say which flag was meant (esft.trl_names)
+            known = [f.name for f in dataclasses.fields(ESConfig)]
+            message = unknown_setting(unknown.group(1).split("=")[0][2:], known)
         self.exit(USER_ERROR, f"esft: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -191,7 +196,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise UserError(f"--config {path}: unknown setting {key!r}; see 'esft train --help' for the settings")
+            raise UserError(f"--config {path}: {unknown_setting(str(key), list(fields))}")
         settings[name] = _coerce_number(value, fields[name].type)
     return settings
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.files import looks_like_path
+from esft.trl_names import ES_EQUIVALENTS
 
 EMBEDDED_MODEL = "embedded"
 CHOICES = {
@@ -182,7 +183,8 @@ def _check_algorithm(config) -> None:
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
         raise ConfigError(changed[0], f"is an ES setting, which --algorithm grpo does not use{hint}; drop it")
     if changed:
-        raise ConfigError(changed[0], f"is a GRPO setting (TRL's name); add --algorithm grpo or drop it")
+        instead = f"; in an ES run, did you mean {ES_EQUIVALENTS[changed[0]]}?" if changed[0] in ES_EQUIVALENTS else ""
+        raise ConfigError(changed[0], f"is a GRPO setting (TRL's name); add --algorithm grpo or drop it{instead}")
     if config.algorithm != "grpo":
         return
     for name, low in {"num_generations": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
