@@ -221,10 +221,11 @@ def test_a_datasetdict_as_train_dataset_takes_its_train_split_or_names_the_split
     from esft.tasks import TaskError
 
     data = datasets.DatasetDict({"train": datasets.Dataset.from_list(toy_rows(6)),
-                                 "test": datasets.Dataset.from_list(toy_rows(2, start=50))})
+                                 "test": datasets.Dataset.from_list(toy_rows(2, start=50), split="test")})  # as load_dataset
     trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "dd"),
                         train_dataset=data, eval_dataset=data["test"])
     assert [row["prompt"] for row in trainer.task.train_dataset] == [row["prompt"] for row in toy_rows(6)]
+    assert list(trainer.task.eval_datasets) == ["test"]  # one eval dataset: eval/test/..., its own split name
     trainer.close()
     with pytest.raises(TaskError, match=r"splits a, b and none is named 'train'"):
         ESTrainer(model=str(tiny_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "dd2"),
@@ -326,6 +327,11 @@ def test_trainer_model_and_processing_class_as_in_trl(tiny_model_dir, tmp_path):
                         train_dataset=toy_rows(4))
     assert trainer.model is trainer.engine.model and trainer.model.config.num_hidden_layers == 2
     assert trainer.processing_class is trainer.engine.tokenizer
+    assert list(trainer.evaluate()) == []  # no eval data
+    with_eval = ESTrainer(model=str(tiny_model_dir), reward_funcs=byte_reward, args=small_args(tmp_path, "attrs2"),
+                          train_dataset=toy_rows(4), eval_dataset=toy_rows(2, start=9))
+    assert "eval/heldout/reward" in with_eval.evaluate()  # a single eval_dataset: not eval/eval/...
+    with_eval.close()
     assert trainer.processing_class.decode(trainer.processing_class("2 + 2")["input_ids"]) == "2 + 2"
     trainer.close()
 

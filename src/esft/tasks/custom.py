@@ -175,12 +175,14 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
     if isinstance(train_dataset, Mapping):  # load_dataset(...) returns a DatasetDict
         train_dataset = _train_of(train_dataset)
     single = eval_dataset is not None and not isinstance(eval_dataset, Mapping)
+    # one eval dataset: reported under its own split name (load_dataset(...)["test"] -> eval/test/...), else heldout
+    label = str(getattr(eval_dataset, "split", None) or "heldout") if single else "eval"
     evals = {split: with_prompts(rows, prompt_column, prompt_template, f"eval_dataset[{split!r}]")
-             for split, rows in _eval_splits(eval_dataset, "eval").items()}
+             for split, rows in _eval_splits(eval_dataset, label).items()}
     train_dataset = with_prompts(train_dataset, prompt_column, prompt_template, "train_dataset") if train_dataset is not None else []
     task = Task("custom", train_dataset, evals, funcs,
                 list(reward_weights) if reward_weights is not None else None, accuracy_func,
-                metadata=({"eval_labels": {"eval": "eval_dataset"}} if single else {}) | {"target_column": target_column})
+                metadata=({"eval_labels": {label: "eval_dataset"}} if single else {}) | {"target_column": target_column})
     return prepare_task(task, "the given datasets")
 
 
