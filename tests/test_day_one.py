@@ -358,3 +358,21 @@ def test_trl_names_get_the_esft_flag_in_python_yaml_and_the_cli(tmp_path, capsys
     assert main(["train", "--config", str(tmp_path / "run.yaml")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "report-to is TRL's name; did you mean --logging" in err[0]
+
+
+def test_an_evaluation_shows_progress_and_the_same_numbers(lively_model_dir, tmp_path, capsys):
+    def evaluate(progress: bool) -> dict:
+        trainer = ESTrainer(model=str(lively_model_dir), reward_funcs=byte_reward,
+                            args=small_args(tmp_path, f"p{progress}", progress=progress, eval_batch_size=2),
+                            train_dataset=toy_rows(4), eval_dataset={"a": toy_rows(5, start=20), "b": toy_rows(2)})
+        try:
+            return trainer.evaluate()
+        finally:
+            trainer.close()
+
+    quiet = evaluate(False)
+    assert "7/7" not in capsys.readouterr().err
+    shown = evaluate(True)
+    err = capsys.readouterr().err
+    assert "eval:" in err and "/7 [" in err and "split=b" in err  # one bar over both splits' 7 prompts
+    assert shown == quiet

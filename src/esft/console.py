@@ -13,8 +13,10 @@ def report_accuracy(when: str, metrics: dict[str, float]) -> None:
             print(f"{key.split('/')[1]} accuracy {when}: {100 * value:.1f}%", file=sys.stderr, flush=True)
 
 
-def progress_bar(total: int, initial: int = 0, desc: str = "ES", unit: str = "it", enabled: bool = True) -> Any:
+def progress_bar(total: int, initial: int = 0, desc: str = "ES", unit: str = "it", enabled: bool = True,
+                 leave: bool = True) -> Any:
     """A tqdm bar on stderr (a no-op bar when disabled)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not enabled or total == 0)
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not enabled or total == 0,
+                leave=leave)

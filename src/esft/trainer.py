@@ -131,7 +131,7 @@ class ESTrainer:
         open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`. RewardError if a
         reward or accuracy function failed on every sample of a split."""
         args = self.args
-        settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed)
+        settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed, args.progress)
         folder = None
         if self.run_dir is not None:
             folder = self.run_dir / "eval" / f"iteration-{iteration if iteration is not None else self.state.iteration}"
