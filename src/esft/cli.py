@@ -39,10 +39,12 @@ def _int_or_word(text: str) -> int | str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit code 2, like every other user error
-        unknown = re.match(r"unrecognized arguments: (--[\w-]+)", message)
-        if unknown:  # TRL's name for an esft flag, or a typo: say which flag was meant (esft.trl_names)
-            known = [f.name for f in dataclasses.fields(ESConfig)]
-            message = unknown_setting(unknown.group(1).split("=")[0][2:], known)
+        unknown = re.match(r"unrecognized arguments: --([\w-]+)", message)
+        known = [f.name for f in dataclasses.fields(ESConfig)]
+        if unknown and unknown.group(1).replace("-", "_") not in known:  # TRL's name, or a typo (esft.trl_names)
+            hint = unknown_setting(unknown.group(1), known)
+            if "did you mean" in hint:
+                message = f"{message}: {hint}"
         self.exit(USER_ERROR, f"esft: error: {message} (see '{self.prog} --help')\n")
 
 

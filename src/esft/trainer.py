@@ -120,8 +120,6 @@ class ESTrainer:
                                      args.reward_model_device, args.prompt_column, args.prompt_template,
                                      args.target_column)
         task = select_rows(task, args.train_rows, args.eval_rows, args.eval_size)
-        if args.iterations > 0 and (line := overlap_line(task)):
-            print(f"esft: {line}", file=sys.stderr)
         return task
 
     # ------------------------------------------------------------- evaluation
@@ -241,6 +239,8 @@ class ESTrainer:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
             print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
         self.state = strategy.ESState(args.seed, start)
+        if args.iterations > start and (line := overlap_line(self.task)):
+            print(f"esft: {line}", file=sys.stderr)  # before training: results measured on training rows say so
         self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=start)
         self._budget = self._logger.last_budget()
         if start == 0:
