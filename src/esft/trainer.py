@@ -239,7 +239,7 @@ class ESTrainer:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
             print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
         self.state = strategy.ESState(args.seed, start)
-        if args.iterations > start and (line := overlap_line(self.task)):
+        if start == 0 and args.iterations > 0 and (line := overlap_line(self.task)):  # said once per run
             print(f"esft: {line}", file=sys.stderr)  # before training: results measured on training rows say so
         self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=start)
         self._budget = self._logger.last_budget()
