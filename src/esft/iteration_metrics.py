@@ -64,3 +64,14 @@ def budget_spent(args: Any, budget: dict[str, float]) -> str | None:
         if limit is not None and budget[kind] >= limit:
             return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
     return None
+
+
+def nothing_to_do(iteration: int, args: Any, budget: dict[str, float]) -> str | None:
+    """Why a trainer that stands at `iteration` has nothing left to train (a second train() call):
+    --iterations reached or a budget spent, said in words; None while it has."""
+    if iteration >= args.iterations:
+        return (f"already at iteration {iteration} of {args.iterations}; raise args.iterations (trainer.args.iterations "
+                f"= {max(args.iterations, iteration) + 10}, say) to continue")
+    if (stop := budget_spent(args, budget)) is not None:
+        return f"{stop} at iteration {iteration}; raise the budget to continue"
+    return None

@@ -31,15 +31,16 @@ from esft.tasks.custom import is_spec, task_from_config, task_from_objects
 from esft.tasks.loading import check_prompt_lengths, render_rows
 from esft.tasks.selection import overlap_line, select_rows
 from esft.console import progress_bar, report_accuracy
-from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo's too
+from esft.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
 
 
 class ESTrainer:
     """Fine-tune a causal LM with ES, in the spirit of TRL's trainers.
 
     `model` is a hub id, a local directory, "embedded", or a loaded transformers model; `reward_funcs`
-    are TRL-style `f(prompts, completions, **columns) -> list[float | None]` (any callable: defined in
-    a script, a notebook cell, a lambda...); datasets are rows with a `prompt` column. Without reward
+    are TRL-style `f(prompts, completions, **columns) -> list[float | None]` (any callable, async too; or
+    ES-at-Scale's/verl's per-sample ones: esft.rewards.conventions); datasets (a DatasetDict: its train
+    split) are rows with a `prompt` column (or args.prompt_column/prompt_template). Without reward
     functions and datasets, `args.task` supplies them. `run` is a run directory already claimed with
     esft.runs.directory.open_run (the CLI claims it before the model loads); by default train() claims one.
     """
@@ -178,7 +179,7 @@ class ESTrainer:
                 self.run.discard_if_unused()
             self.run = open_run(args, find_resume_point(resume_from_checkpoint))
         elif self._trained:
-            if (done := self._already_done()) is not None:
+            if (done := nothing_to_do(self.state.iteration, self.args, self._budget)) is not None:
                 print(f"esft: {done}; nothing changed", file=sys.stderr)
                 return self._result
             point = find_resume_point(self.run_dir)
@@ -198,16 +199,6 @@ class ESTrainer:
                 self._logger.close()
             self.close()
             self.report_path = report_after_training(self.run_dir)
-
-    def _already_done(self) -> str | None:
-        """Why a second train() has nothing to do (None: it has)."""
-        iteration, total = self.state.iteration, self.args.iterations
-        if iteration >= total:
-            return (f"already at iteration {iteration} of {total}; raise args.iterations (trainer.args.iterations = "
-                    f"{max(total, iteration) + 10}, say) to continue")
-        if (stop := budget_spent(self.args, self._budget)) is not None:
-            return f"{stop} at iteration {iteration}; raise the budget to continue"
-        return None
 
     def _train(self) -> dict[str, float]:
         args = self.args
