@@ -149,7 +149,7 @@ def test_train_eval_overlap_is_said_recorded_and_row_slices_split_one_file(count
 
     # a slice that selects nothing, or is not a slice: one line, exit 2
     assert cli_train(tiny_model_dir, tmp_path, "bad", "--train-data", data, "--reward-funcs", reward, "--train-rows", "50:60") == 2
-    assert "--train-rows 50:60: selects no row" in capsys.readouterr().err
+    assert "--train-rows '50:60' selects no row" in capsys.readouterr().err
     assert cli_train(tiny_model_dir, tmp_path, "bad2", "--train-data", data, "--reward-funcs", reward, "--train-rows", "0-200") == 2
     assert "--train-rows: expected START:STOP" in capsys.readouterr().err
 
@@ -376,3 +376,58 @@ def test_an_evaluation_shows_progress_and_the_same_numbers(lively_model_dir, tmp
     err = capsys.readouterr().err
     assert "eval:" in err and "/7 [" in err and "split=b" in err  # one bar over both splits' 7 prompts
     assert shown == quiet
+
+
+# -------------------------------------------- the README's commands for the paper's and ES-at-Scale's data
+THEIR_MATH_REWARD = '''
+def reward_function(model_output, target, fast=False):
+    return ("correct", 1.0) if target in model_output else ("wrong", 0.0)
+'''
+
+
+@pytest.mark.slow
+def test_readme_commands_for_their_data_run_as_written(tiny_model_dir, tmp_path):
+    """Their layout rebuilt in small (es-at-scale/datasets/..., countdown.json, their reward files), then
+    each README command run as written, with a tiny model and a short run appended (later flags win)."""
+    import re
+    import shlex
+
+    import datasets
+
+    def countdown_rows(ids):
+        return [{"id": str(i), "context": f"Using the numbers [{i} {i}], make {2 * i}.", "numbers": f"[{i}, {i}]",
+                 "target": str(2 * i), "solution": f"({i} + {i})"} for i in ids]
+
+    base = tmp_path / "es-at-scale" / "datasets"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(countdown_rows(range(6)))}).save_to_disk(
+        str(base / "train" / "countdown"))
+    datasets.DatasetDict({"countdown_eval": datasets.Dataset.from_list(countdown_rows(range(6, 9)))}).save_to_disk(
+        str(base / "evaluation_suite" / "countdown"))
+    math_rows = [{"problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(6)]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(math_rows)}).save_to_disk(str(base / "train" / "math_lvl3to5_8k"))
+    datasets.DatasetDict({"aime": datasets.Dataset.from_list(math_rows[:2]), "math500": datasets.Dataset.from_list(
+        math_rows[2:5])}).save_to_disk(str(base / "evaluation_suite" / "math"))
+    (tmp_path / "countdown.json").write_text(json.dumps(countdown_rows(range(204))))  # rows 200: are its eval set
+    (tmp_path / "their_reward.py").write_text(THEIR_REWARD)
+    (tmp_path / "their_math_reward.py").write_text(THEIR_MATH_REWARD)
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Coming from the paper's scripts or ES-at-Scale")[1].split("###")[0]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).replace("\\\n", " ")
+    commands = [shlex.split(line) for line in block.splitlines() if line.startswith("esft train")]
+    assert len(commands) == 3
+    for index, command in enumerate(commands):
+        command = [word.replace("path/to/", "") for word in command]
+        proc = subprocess.run(
+            [sys.executable, "-m", "esft.cli", *command[1:], "--model", str(tiny_model_dir), "--dtype", "float32",
+             "--device", "cpu", "--population-size", "2", "--batch-size", "2", "--iterations", "1", "--max-tokens", "4",
+             "--logging", "none", "--no-progress", "--output-dir", str(tmp_path / "runs"), "--run-name", f"r{index}"],
+            cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (command, proc.stderr[-2000:])
+        rows = metrics(tmp_path / "runs" / f"r{index}")
+        assert [row["iteration"] for row in rows] == [0, 1]
+        assert rows[1]["reward/errors"] == 0
+    countdown, math, paper = (metrics(tmp_path / "runs" / f"r{i}")[0] for i in range(3))
+    assert countdown["eval/countdown_eval/reward"] == pytest.approx(0.2)  # targets 12, 14, 16: len / 10
+    assert {"eval/aime/reward", "eval/math500/reward"} <= set(math)
+    assert paper["eval/countdown/reward"] == pytest.approx(0.3)  # rows 200-203 only: targets 400-406

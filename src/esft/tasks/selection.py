@@ -35,7 +35,7 @@ def _take(rows: list[dict[str, Any]], spec: str | None, limit: int | None, flag:
     if spec is not None:
         chosen = rows[parse_rows(spec)]
         if not chosen:
-            raise TaskError(f"{flag} {spec}: selects no row of {where}, which has {len(rows)} rows (0-based, STOP "
+            raise TaskError(f"{flag} {spec!r} selects no row of {where}, which has {len(rows)} rows (0-based, STOP "
                             "excluded)")
         rows = chosen
     return rows[:limit] if limit is not None else rows
