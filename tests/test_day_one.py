@@ -431,3 +431,29 @@ def test_readme_commands_for_their_data_run_as_written(tiny_model_dir, tmp_path)
     assert countdown["eval/countdown_eval/reward"] == pytest.approx(0.2)  # targets 12, 14, 16: len / 10
     assert {"eval/aime/reward", "eval/math500/reward"} <= set(math)
     assert paper["eval/countdown/reward"] == pytest.approx(0.3)  # rows 200-203 only: targets 400-406
+
+
+async def slow_judge_a(prompts, completions, **kwargs):
+    import asyncio
+
+    await asyncio.sleep(1.0)  # an HTTP call to a judge
+    return [1.0] * len(completions)
+
+
+async def slow_judge_b(prompts, completions, **kwargs):
+    import asyncio
+
+    await asyncio.sleep(1.0)
+    return [2.0] * len(completions)
+
+
+def test_async_rewards_in_process_run_concurrently():
+    import time
+
+    from esft.rewards.runner import RewardRunner
+
+    runner = RewardRunner([slow_judge_a, slow_judge_b], sandbox=False)
+    started = time.perf_counter()
+    scores = runner.score([{"prompt": "p"}, {"prompt": "q"}], ["a", "b"])
+    assert time.perf_counter() - started < 1.8  # both awaited at once: about 1 s, not 2
+    assert scores.total == [3.0, 3.0] and scores.failures == 0

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -153,6 +154,13 @@ def is_trusted(func: RewardFunc) -> bool:
     return bool(getattr(func, TRUSTED_ATTRIBUTE, False))
 
 
+def _in_process(func: RewardFunc, kwargs: dict[str, Any], n: int, options: dict[str, Any]) -> Outcome:
+    try:
+        return Outcome("ok", call_reward(func, kwargs, n, options))
+    except Exception as error:  # noqa: BLE001 - MemoryError and friends from user code
+        return Outcome("error", message=describe(error))
+
+
 _CALL_REWARD = ByReference("esft.rewards.values", "call_reward")
 
 
@@ -229,7 +237,7 @@ class RewardRunner:
         if completion_ids is not None:  # the generated ids win over a dataset column of that name
             arguments["completion_ids"] = [list(ids) for ids in completion_ids]
         results: list[Any] = [None] * len(self.funcs)
-        jobs, slots = [], []
+        jobs, slots, in_process = [], [], []
         target = target_column(arguments, self.target_column)
         for i, (func, shipped, accepted) in enumerate(zip(self.funcs, self.shipped, self.accepted)):
             convention = self.conventions[i]
@@ -239,14 +247,21 @@ class RewardRunner:
                 kwargs = arguments if accepted is None else {k: v for k, v in arguments.items() if k in accepted}
                 hooks = tuple(name for name in TRL_EXTRAS if accepted is None or name in accepted)
             options = {"convention": convention, "target": target, "hooks": hooks, "trainer_state": self.trainer_state}
-            if shipped is None:
-                try:
-                    results[i] = Outcome("ok", call_reward(func, kwargs, n, options))
-                except Exception as error:  # noqa: BLE001 - MemoryError and friends from user code
-                    results[i] = Outcome("error", message=describe(error))
+            if shipped is None and inspect.iscoroutinefunction(func):
+                in_process.append((i, kwargs, options))  # async: awaited together below, as TRL gathers them
+            elif shipped is None:
+                results[i] = _in_process(func, kwargs, n, options)
             else:
                 jobs.append((_CALL_REWARD, (shipped, kwargs, n, options), {}))
                 slots.append(i)
+        if len(in_process) == 1:
+            i, kwargs, options = in_process[0]
+            results[i] = _in_process(self.funcs[i], kwargs, n, options)
+        elif in_process:  # each in a thread of its own, with its own event loop: concurrently
+            with ThreadPoolExecutor(len(in_process)) as pool:
+                futures = [(i, pool.submit(_in_process, self.funcs[i], kwargs, n, options)) for i, kwargs, options in in_process]
+                for i, future in futures:
+                    results[i] = future.result()
         if jobs:
             if self.pool is None:
                 self.pool = WorkerPool(self.workers, self.memory_mb)
