@@ -283,12 +283,12 @@ def test_estrainer_python_api(tiny_model_dir, tmp_path):
     # 2 iterations x 2 members on batches of 3, plus evaluation before and after on 4 rows
     assert sorted(calls) == [3, 3, 3, 3, 4, 4]
     expected_eval = sum(len(row["answer"]) for row in evaluation) / 4  # answers "200","202","204","206"
-    assert last["eval/eval/reward"] == expected_eval == 3.0
+    assert last["eval/heldout/reward"] == expected_eval == 3.0
     assert [row["iteration"] for row in metrics(tmp_path / "api")] == [0, 1, 2]
 
     result = trainer.evaluate()
-    assert result["eval/eval/reward"] == expected_eval
-    assert result["eval/eval/mean_length"] <= 4
+    assert result["eval/heldout/reward"] == expected_eval
+    assert result["eval/heldout/mean_length"] <= 4
 
     trainer.save_model(tmp_path / "saved")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")

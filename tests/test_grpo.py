@@ -202,7 +202,7 @@ def test_a_reward_defined_in_the_users_script_works_under_both_algorithms(tmp_pa
         rows = read_jsonl(tmp_path / "out" / algorithm / "metrics.jsonl")
         assert [row["iteration"] for row in rows] == [0, 1, 2]
         assert all(row["rewards/script_reward/mean"] > 0 and row["reward/errors"] == 0 for row in rows[1:])
-        assert rows[0]["eval/eval/reward"] > 0
+        assert rows[0]["eval/heldout/reward"] > 0
 
 
 @pytest.mark.slow

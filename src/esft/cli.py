@@ -15,6 +15,7 @@ from typing import Any
 from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
 from esft.eval_origin import run_settings_of, settings_line
 from esft.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
+from esft.trl_names import unknown_setting
 
 USER_ERROR = 2
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
@@ -36,6 +37,12 @@ def _int_or_word(text: str) -> int | str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit code 2, like every other user error
+        unknown = re.match(r"unrecognized arguments: --([\w-]+)", message)
+        known = [f.name for f in dataclasses.fields(ESConfig)]
+        if unknown and unknown.group(1).replace("-", "_") not in known:  # TRL's name, or a typo (esft.trl_names)
+            hint = unknown_setting(unknown.group(1), known)
+            if "did you mean" in hint:
+                message = f"{message}: {hint}"
         self.exit(USER_ERROR, f"esft: error: {message} (see '{self.prog} --help')\n")
 
 
@@ -192,7 +199,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in fields:
-            raise UserError(f"--config {path}: unknown setting {key!r}; see 'esft train --help' for the settings")
+            raise UserError(f"--config {path}: {unknown_setting(str(key), list(fields))}")
         settings[name] = _coerce_number(value, fields[name].type)
     return settings
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from esft.config_fields import GROUPS, RunFields, _in
+from esft.trl_names import unknown_setting
 from esft.config_rules import (
     CHOICES,
     EMBEDDED_MODEL,
@@ -78,7 +80,8 @@ class ESConfig(RunFields):
             self.alpha = self.sigma / 2 if is_number(self.sigma) else None
         if self.lora_alpha is None and is_number(self.lora_r) and self.lora_r > 0:
             self.lora_alpha = 2.0 * self.lora_r
-        for name in ("reward_model", "reward_url", "reward_skip_failing"):  # a list (Python, YAML) means the same as commas
+        # a list (Python, YAML; GRPOConfig's form of reward_weights) means the same as commas
+        for name in ("reward_model", "reward_url", "reward_skip_failing", "reward_weights"):
             if isinstance(getattr(self, name), (list, tuple)):
                 setattr(self, name, ",".join(str(item) for item in getattr(self, name)))
         if self.custom_rewards() and self.task == "countdown":  # the default task: the rewards replace it
@@ -108,3 +111,22 @@ class ESConfig(RunFields):
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for config.yaml and checkpoints."""
         return dataclasses.asdict(self)
+
+
+_DATACLASS_INIT = ESConfig.__init__
+
+
+class UnknownSetting(ConfigError, TypeError):
+    """A keyword ESConfig does not have (a TypeError, as Python's own, and a ConfigError naming it)."""
+
+
+@functools.wraps(_DATACLASS_INIT)
+def _init_naming_unknown_settings(self, *args: Any, **kwargs: Any) -> None:
+    known = [f.name for f in dataclasses.fields(ESConfig)]
+    for name in kwargs:
+        if name not in known:  # TRL's name for an esft setting: say which (esft.trl_names)
+            raise UnknownSetting(name, unknown_setting(name, known).removeprefix(f"--{name.replace('_', '-')} "))
+    _DATACLASS_INIT(self, *args, **kwargs)
+
+
+ESConfig.__init__ = _init_naming_unknown_settings

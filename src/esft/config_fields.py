@@ -164,7 +164,13 @@ class RunFields:
     )
     difficulty: str = _in("data", "Countdown generator setting: easy, medium or paper.", default="easy")
     train_size: int = _in("data", "Generated training problems (when --train-data is not given).", default=1000)
-    eval_size: int = _in("data", "Generated held-out problems (when --eval-data is not given).", default=500)
+    eval_size: int | None = _in(
+        "data",
+        "Evaluation rows per split: the first N rows of every eval split of --eval-data (after --eval-rows), "
+        "or the number of generated held-out problems when --eval-data is not given. Default: every row of "
+        "--eval-data; 500 generated problems.",
+        default=None,
+    )
 
     # ---- rewards
     reward_funcs: str | None = _in(
@@ -341,4 +347,38 @@ class RunFields:
         "command line or in --config; a directory is data, and its settings never import code silently. "
         "Never inherited from a run's settings.",
         default=False,
+    )
+
+    # ---- issue 20: data slices, prompts from any column, other reward conventions (kept together here)
+    train_rows: str | None = _in(
+        "data",
+        "Rows of the training data to train on, as a Python slice START:STOP (0-based, STOP excluded; e.g. "
+        "0:200 for the paper's countdown.json, whose rows 200: are its evaluation set). Default: every row.",
+        default=None,
+    )
+    eval_rows: str | None = _in(
+        "data",
+        "Rows of every eval split to evaluate on, as START:STOP (e.g. 200: with --eval-data countdown.json). "
+        "Default: every row (see also --eval-size).",
+        default=None,
+    )
+    prompt_column: str | None = _in(
+        "data",
+        "The column holding the prompt, for data without a 'prompt' column (e.g. context for ES-at-Scale's "
+        "Countdown DatasetDicts, problem for its math ones): text, or chat messages. Data given with "
+        "--reward-funcs/--reward-model/--reward-url or as ESTrainer datasets.",
+        default=None,
+    )
+    prompt_template: str | None = _in(
+        "data",
+        "Build every row's prompt from its columns with this str.format template, e.g. 'Q: {problem}\\nA:' "
+        "(\\n in a flag is a newline). Same data as --prompt-column, which it replaces.",
+        default=None,
+    )
+    target_column: str | None = _in(
+        "rewards",
+        "The column passed as the target of per-sample reward functions: ES-at-Scale's reward(model_output, "
+        "target) and verl's compute_score(data_source, solution_str, ground_truth, extra_info). Default: target, "
+        "else answer, else ground_truth, else solution (the first column the data has).",
+        default=None,
     )

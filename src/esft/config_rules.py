@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.files import looks_like_path
+from esft.trl_names import ES_EQUIVALENTS
 
 EMBEDDED_MODEL = "embedded"
 CHOICES = {
@@ -48,7 +49,7 @@ def check(config) -> None:
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
                "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
     for name, low in minimum.items():
-        if getattr(config, name) < low:
+        if getattr(config, name) is not None and getattr(config, name) < low:
             raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {config.gpu_memory_utilization}")
@@ -98,6 +99,7 @@ def check(config) -> None:
     _check_reward_services(config)
     if not config.reward_url_deadline >= 0:
         raise ConfigError("reward_url_deadline", f"must be >= 0 seconds, got {config.reward_url_deadline}")
+    _check_data_selection(config)
     if not config.reward_timeout > 0:
         raise ConfigError("reward_timeout", f"must be > 0 seconds, got {config.reward_timeout}")
     if not config.temperature >= 0:
@@ -182,7 +184,8 @@ def _check_algorithm(config) -> None:
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
         raise ConfigError(changed[0], f"is an ES setting, which --algorithm grpo does not use{hint}; drop it")
     if changed:
-        raise ConfigError(changed[0], f"is a GRPO setting (TRL's name); add --algorithm grpo or drop it")
+        instead = f"; in an ES run, did you mean {ES_EQUIVALENTS[changed[0]]}?" if changed[0] in ES_EQUIVALENTS else ""
+        raise ConfigError(changed[0], f"is a GRPO setting (TRL's name); add --algorithm grpo or drop it{instead}")
     if config.algorithm != "grpo":
         return
     for name, low in {"num_generations": 2, "per_device_train_batch_size": 1, "gradient_accumulation_steps": 1,
@@ -239,13 +242,15 @@ def reward_weights(config) -> list[float] | None:
     --reward-model, then --reward-url)."""
     if config.reward_weights is None:
         return None
-    if not config.custom_rewards():
-        raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url (a --task sets "
-                          "its own weights)")
     try:
         weights = [float(w) for w in config.reward_weights.split(",")]
     except ValueError:
-        raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5; got {config.reward_weights!r}") from None
+        raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5 (or a list); got "
+                          f"{config.reward_weights!r}") from None
+    if not config.custom_rewards():  # functions given to ESTrainer: it checks the count against them
+        if not all(math.isfinite(w) for w in weights):
+            raise ConfigError("reward_weights", f"must be finite numbers, got {config.reward_weights!r}")
+        return weights
     count = sum(len(split_list(value)) for value in (config.reward_funcs, config.reward_model, config.reward_url))
     if len(weights) != count or not all(math.isfinite(w) for w in weights):
         raise ConfigError("reward_weights", f"{config.reward_weights!r} must be {count} finite numbers, one per reward "
@@ -291,3 +296,21 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
     }[base]
     if not ok:
         raise ConfigError(name, f"must be {'an' if base == 'int' else 'a'} {base}, got {value!r}")
+
+
+def _check_data_selection(config) -> None:
+    """--train-rows/--eval-rows are START:STOP slices; --prompt-column/--prompt-template need data of
+    their own (a registered task or a --task factory builds its own prompts)."""
+    for name in ("train_rows", "eval_rows"):
+        value = getattr(config, name)
+        if value is not None and not re.fullmatch(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*", value):
+            raise ConfigError(name, f"expected START:STOP such as 0:200, 200: or :-100 (a Python slice of the rows), "
+                              f"got {value!r}")
+    if config.prompt_column is not None and config.prompt_template is not None:
+        raise ConfigError("prompt_column", "give --prompt-column or --prompt-template, not both (a template names "
+                          "its columns itself, e.g. '{context}')")
+    for name in ("prompt_column", "prompt_template"):
+        if getattr(config, name) is not None and config.task != "custom" and not config.custom_rewards():
+            if config.task != "countdown" or config.train_data is not None or config.eval_data is not None:
+                raise ConfigError(name, f"applies to data given with --reward-funcs (or --reward-model, --reward-url) "
+                                  f"or to ESTrainer's datasets; --task {config.task} builds its own prompts")

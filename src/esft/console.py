@@ -3,7 +3,8 @@
 While a training run's bar is open (`attach`), `say` and the warnings of the "esft" logger are
 written with tqdm.write (the bar is cleared, the line printed, the bar drawn again below it), and
 `waiting` shows what the run is waiting for (a reward service that does not answer) in the bar
-itself. Without a bar they are plain stderr lines. Imports nothing of esft: any room may use it.
+itself. Without a bar they are plain stderr lines. Also the bars themselves (`progress_bar`, for
+training and evaluation) and the accuracy lines. Imports nothing of esft: any room may use it.
 """
 
 from __future__ import annotations
@@ -73,3 +74,19 @@ def waiting(key: str, text: str | None) -> None:
         bar = _bar
     if bar is not None and not getattr(bar, "disable", True):
         bar.set_postfix_str(shown, refresh=True)
+
+
+def report_accuracy(when: str, metrics: dict[str, float]) -> None:
+    """`<split> accuracy before|after: x%`, one line per split, each on a line of its own."""
+    for key, value in metrics.items():
+        if key.startswith("eval/") and key.endswith("/accuracy") and key.count("/") == 2:
+            print(f"{key.split('/')[1]} accuracy {when}: {100 * value:.1f}%", file=sys.stderr, flush=True)
+
+
+def progress_bar(total: int, initial: int = 0, desc: str = "ES", unit: str = "it", enabled: bool = True,
+                 leave: bool = True) -> Any:
+    """A tqdm bar on stderr (a no-op bar when disabled)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, disable=not enabled or total == 0,
+                leave=leave)

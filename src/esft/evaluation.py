@@ -19,8 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esft.engines.base import Sampling
+from esft.console import progress_bar
+from esft.engines.base import Generation, Sampling
 from esft.files import write_text_atomic
+from esft.iteration_metrics import logged_metrics
 from esft.rewards.runner import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
 from esft.tasks.base import Task
 
@@ -37,6 +39,8 @@ class EvalSettings:
     top_p: float = 1.0
     seed: int = 0
     """Seeds the sampler: every evaluation of a run (and `esft eval`) samples alike."""
+    progress: bool = False
+    """Show a progress bar over the evaluation's prompts (stderr)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -69,15 +73,17 @@ def evaluate_split(
     settings: EvalSettings,
     kl: Callable[[Sequence[str], Sequence[Sequence[int]]], list[list[float]]] | None = None,
     split: str = "eval",
+    bar: Any = None,
 ) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """Metrics (without the `eval/<split>/` prefix) and per-sample records of one split."""
     k = settings.samples
     sampling = Sampling(settings.temperature, settings.top_p, k, settings.seed)
-    generation = generate([row["prompt"] for row in rows], sampling)
+    generation = _generate(generate, [row["prompt"] for row in rows], sampling, settings.batch_size, bar)
     expanded = [row for row in rows for _ in range(k)]  # Generation lists the K samples prompt by prompt
     scores = rewards.score(expanded, generation.texts, generation.token_ids)
     _stop_if_unscorable(scores, split)
     metrics = {"reward": scores.mean(), "mean_length": sum(generation.num_tokens) / len(generation.num_tokens)}
+    metrics |= logged_metrics([scores])  # TRL's log_metric values, labels of (label, reward) rewards
     if accuracy is not None:
         accuracy_scores = scores if accuracy is rewards else accuracy.score(expanded, generation.texts, generation.token_ids)
         _stop_if_unscorable(accuracy_scores, split)
@@ -104,6 +110,9 @@ def evaluate_split(
             sample["sample"] = i % k
         if len(scores.per_function) > 1:
             sample["rewards"] = {name: values[i] for name, values in scores.per_function.items()}
+        if scores.labels:
+            sample["labels"] = {name: labels[i] for name, labels in scores.labels.items()}
+        sample |= {column: values[i] for column, values in scores.extras.items() if i < len(values) and _jsonable(values[i])}
         if accuracy is not None:
             sample["accuracy"] = accuracies[i]
         if token_kl is not None:
@@ -125,14 +134,38 @@ def evaluate_task(
 ) -> dict[str, float]:
     """`eval/<split>/<metric>` for every eval split; per-sample JSONL in `samples_dir` if given."""
     metrics: dict[str, float] = {}
+    total = sum(len(rows) for rows in task.eval_datasets.values())
+    bar = progress_bar(total, desc="eval", unit="prompt", enabled=settings.progress, leave=False) if total else None
     for split, rows in task.eval_datasets.items():
+        if bar is not None:
+            bar.set_postfix(split=split)
         split_metrics, samples = evaluate_split(generate, rows, rewards, accuracy, settings, kl if task.report_kl else None,
-                                                split)
+                                                split, bar)
         metrics |= {f"eval/{split}/{name}": value for name, value in split_metrics.items()}
         if samples_dir is not None:
             samples_dir.mkdir(parents=True, exist_ok=True)
             write_text_atomic(samples_dir / f"{split}.jsonl", "".join(json.dumps(s) + "\n" for s in samples))
+    if bar is not None:
+        bar.close()
     return metrics
+
+
+def _generate(generate: Callable[[Sequence[str], Sampling], Any], prompts: list[str], sampling: Sampling, batch: int,
+              bar: Any) -> Any:
+    """`generate(prompts, sampling)`, advancing `bar`: greedy evaluations go --eval-batch-size prompts at a
+    time (the calls the engine makes anyway: the same completions); sampled ones in one call, so that
+    the seeded sampler draws as it always does."""
+    if bar is None or sampling.temperature > 0 or len(prompts) <= batch:
+        generation = generate(prompts, sampling)
+        if bar is not None:
+            bar.update(len(prompts))
+        return generation
+    parts = []
+    for start in range(0, len(prompts), batch):
+        parts.append(generate(prompts[start : start + batch], sampling))
+        bar.update(len(parts[-1].texts))
+    ids = None if any(part.token_ids is None for part in parts) else [row for part in parts for row in part.token_ids]
+    return Generation([text for part in parts for text in part.texts], [n for part in parts for n in part.num_tokens], ids)
 
 
 def _jsonable(value: Any) -> bool:

@@ -1,7 +1,8 @@
-"""One iteration's metrics.jsonl row and the training budget it spends (both algorithms)."""
+"""One iteration's metrics.jsonl row, and the budgets that stop training (ES and GRPO alike)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,7 +38,22 @@ def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Sc
         present = [v for v in (mean_of(scores.per_function[name]) for scores in batches) if v is not None]
         row[f"rewards/{name}/mean"] = float(np.mean(present)) if present else 0.0
         row[f"rewards/{name}/failures"] = sum(scores.failed.get(name, 0) for scores in batches)
-    return row, budget
+    return row | logged_metrics(batches), budget
+
+
+def logged_metrics(batches: Sequence[Scores]) -> dict[str, float]:
+    """What reward functions logged over these batches: TRL's log_metric values averaged under their
+    own name (as TRL logs them), and the labels of (label, reward) rewards counted as
+    `rewards/<fn>/labels/<label>` (esft.rewards.conventions)."""
+    row: dict[str, float] = {}
+    for name in dict.fromkeys(name for scores in batches for name in scores.logged):
+        values = [value for scores in batches for value in scores.logged.get(name, [])]
+        row[name] = float(np.mean(values))
+    for function in dict.fromkeys(name for scores in batches for name in scores.labels):
+        labels = [label for scores in batches for label in scores.labels.get(function, []) if label is not None]
+        for label, count in Counter(labels).items():
+            row[f"rewards/{function}/labels/{label}"] = count
+    return row
 
 
 def budget_spent(args: Any, budget: dict[str, float]) -> str | None:
@@ -47,4 +63,15 @@ def budget_spent(args: Any, budget: dict[str, float]) -> str | None:
         limit = getattr(args, f"budget_{kind}")
         if limit is not None and budget[kind] >= limit:
             return f"the budget of {limit} {kind} is spent ({budget[kind]} generated for training)"
+    return None
+
+
+def nothing_to_do(iteration: int, args: Any, budget: dict[str, float]) -> str | None:
+    """Why a trainer that stands at `iteration` has nothing left to train (a second train() call):
+    --iterations reached or a budget spent, said in words; None while it has."""
+    if iteration >= args.iterations:
+        return (f"already at iteration {iteration} of {args.iterations}; raise args.iterations (trainer.args.iterations "
+                f"= {max(args.iterations, iteration) + 10}, say) to continue")
+    if (stop := budget_spent(args, budget)) is not None:
+        return f"{stop} at iteration {iteration}; raise the budget to continue"
     return None

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from esft.config_rules import split_list
+from esft.console import say
 from esft.rewards.runner import Failure, RewardError, Scores
 from esft.tasks.base import TaskError
 
@@ -44,3 +45,18 @@ def stop_if_unshapeable(rewards: Sequence[float], shaping: str, batches: Sequenc
     failure = Failure("overflow", f"members' rewards from {min(rewards):.3g} to {max(rewards):.3g}; its largest "
                       f"value {largest.get(name, float('nan')):.3g}: scale the rewards down")
     raise RewardError(name, failure, when, consequence())
+
+
+def failure_summary(failure_totals: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Reward failure counts of a train() call, per function and in all (also printed: a run never ends
+    silent about them). `failure_totals`: per function, failed and scored samples and the first failure."""
+    summary: dict[str, Any] = {}
+    for name, total in failure_totals.items():
+        if total["failed"]:
+            summary[f"rewards/{name}/failures_total"] = total["failed"]
+            first = total["first"]
+            say(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
+                + (f" (first: {first.message})" if first else ""))
+    if summary:
+        summary["reward/failures_total"] = sum(summary.values())
+    return summary

@@ -12,13 +12,14 @@ from typing import Any
 from esft.es import strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
-from esft.config import ESConfig, model_path
+from esft.config import ConfigError, ESConfig, model_path
 from esft import console
-from esft.console import say
-from esft.iteration_metrics import budget_spent, iteration_row  # noqa: F401 - esft.grpo.baseline imports them here
-from esft.reward_faults import skip_failing, stop_if_unshapeable
+from esft.console import progress_bar, report_accuracy, say
+from esft.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
+from esft.reward_faults import failure_summary, skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
+from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.lora import export_merged, uses_adapter
 from esft.evaluation import EvalSettings, evaluate_task
 from esft.executors import build_executor
@@ -26,20 +27,23 @@ from esft.files import make_temporary_dir
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
+from esft.rewards.conventions import RewardTrainerState
 from esft.rewards.runner import RewardError, Scores, failing_everywhere, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
 from esft.tasks.loading import check_prompt_lengths, render_rows
+from esft.tasks.selection import overlap_line, select_rows
 
 
 class ESTrainer:
     """Fine-tune a causal LM with ES, in the spirit of TRL's trainers.
 
     `model` is a hub id, a local directory, "embedded", or a loaded transformers model; `reward_funcs`
-    are TRL-style `f(prompts, completions, **columns) -> list[float | None]` (any callable: defined in
-    a script, a notebook cell, a lambda...); datasets are rows with a `prompt` column. Without reward
+    are TRL-style `f(prompts, completions, **columns) -> list[float | None]` (any callable, async too; or
+    ES-at-Scale's/verl's per-sample ones: esft.rewards.conventions); datasets (a DatasetDict: its train
+    split) are rows with a `prompt` column (or args.prompt_column/prompt_template). Without reward
     functions and datasets, `args.task` supplies them. `run` is a run directory already claimed with
     esft.runs.directory.open_run (the CLI claims it before the model loads); by default train() claims one.
     """
@@ -74,7 +78,7 @@ class ESTrainer:
         self._kl = None
         # KL's base for a model passed as an object: a CPU float32 copy of its weights before training,
         # kept off the device until the first KL evaluation moves it to the model's device and dtype
-        self._kl_base = _cpu_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
+        self._kl_base = cpu_float32_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
         self.state = strategy.init(args.seed)
         self.run = run
         self.initial_metrics: dict[str, float] = {}
@@ -84,6 +88,18 @@ class ESTrainer:
         self._logger: MetricsLogger | None = None
         self._progress: Any = None
         self.report_path: Path | None = None  # report.html, written by train() (esft.runs.report)
+        self._trained = False  # train() was called: a second call continues the run (train's docstring)
+        self._result: dict[str, float] = {}
+
+    @property
+    def model(self) -> Any:
+        """The model being trained (the engine's; None for engines that keep it elsewhere, e.g. vLLM)."""
+        return getattr(self.engine, "model", None)
+
+    @property
+    def processing_class(self) -> Any:
+        """The tokenizer, as TRL names it."""
+        return self.engine.tokenizer
 
     @property
     def run_dir(self) -> Path | None:
@@ -100,8 +116,16 @@ class ESTrainer:
             if args.task not in TASKS and args.task != "custom" and not is_spec(args.task):
                 raise TaskError(f"--task: unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
                                 "or module:function / path/to/file.py:function")
-            return task_from_config(args, args.parsed_reward_weights())
-        return task_from_objects(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func, args.reward_model_device)
+            if args.reward_weights is not None and not args.custom_rewards():
+                raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url, or reward "
+                                  "functions given to ESTrainer (a --task sets its own weights)")
+            task = task_from_config(args, args.parsed_reward_weights())
+        else:
+            weights = reward_weights if reward_weights is not None else args.parsed_reward_weights()  # GRPOConfig's
+            task = task_from_objects(reward_funcs, train_dataset, eval_dataset, weights, accuracy_func,
+                                     args.reward_model_device, args.prompt_column, args.prompt_template,
+                                     args.target_column)
+        return select_rows(task, args.train_rows, args.eval_rows, args.eval_size)
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:
@@ -110,13 +134,21 @@ class ESTrainer:
         open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`. RewardError if a
         reward or accuracy function failed on every sample of a split."""
         args = self.args
-        settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed)
+        settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed, args.progress)
         folder = None
         if self.run_dir is not None:
             folder = self.run_dir / "eval" / f"iteration-{iteration if iteration is not None else self.state.iteration}"
         generate = lambda prompts, sampling: self.executor.generate(prompts, args.eval_batch_size, sampling)  # noqa: E731
         kl = self._kl_scorer() if self.task.report_kl else None
+        self._tell_rewards()
         return evaluate_task(generate, self.task, self.rewards, self.accuracy, settings, kl, folder)
+
+    def _tell_rewards(self) -> None:
+        """TRL's `trainer_state` for reward functions: updates done so far, of --iterations."""
+        state = RewardTrainerState(self.state.iteration, self.args.iterations)
+        for runner in (self.rewards, self.accuracy):
+            if runner is not None:
+                runner.trainer_state = state
 
     def _kl_scorer(self):
         """KL(current || base) per token; base = --base-model, else the initial weights of --model."""
@@ -132,20 +164,42 @@ class ESTrainer:
 
     # ------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
-        """Run ES for `args.iterations` updates (evaluating before and after); returns the last
-        metrics, with the run's reward failure counts. Resumes from `resume_from_checkpoint` (or
-        --resume): a checkpoint, or a run directory (esft.runs.directory.find_resume_point). Then writes
-        `report.html` into the run directory (`self.report_path`), also when the run is interrupted
-        or stops with an error after it started logging."""
+        """Run ES up to `args.iterations` updates (evaluating before and after); returns the last
+        metrics, with the run's reward failure counts. Then writes `report.html` into the run
+        directory (`self.report_path`), also when the run is interrupted or stops with an error.
+
+        - `resume_from_checkpoint` (or --resume) always resumes from what it names: a checkpoint, or a
+          run directory's newest intact checkpoint (esft.runs.directory.find_resume_point), also on a
+          trainer that has trained before.
+        - A second `train()` on the same trainer (a notebook cell run again) continues the same run:
+          after a finished run it prints "already at iteration N of N" and changes nothing (raise
+          `trainer.args.iterations` to train on: the run directory gets rows N+1.. and new
+          checkpoints); after an interrupted one it resumes from the run's newest intact checkpoint,
+          as --resume would (the weights in memory may hold half an update).
+        """
         args = self.args
-        if self.run is None:
-            resume = resume_from_checkpoint or args.resume
+        if resume_from_checkpoint is not None:
+            if self.run is not None:
+                self.run.discard_if_unused()
+            self.run = open_run(args, find_resume_point(resume_from_checkpoint))
+        elif self._trained:
+            if (done := nothing_to_do(self.state.iteration, self.args, self._budget)) is not None:
+                print(f"esft: {done}; nothing changed", file=sys.stderr)
+                return self._result
+            point = find_resume_point(self.run_dir)
+            if point.checkpoint is None and self.state.iteration > 0:
+                raise TaskError(f"{self.run_dir}: the first train() stopped before any checkpoint was written, so the "
+                                "weights in memory cannot be trusted; build a new ESTrainer")
+            self.run = open_run(args, point)
+        elif self.run is None:
+            resume = args.resume
             self.run = open_run(args, find_resume_point(resume) if resume else None)
+        self._trained = True
         status = "interrupted"  # Ctrl-C (KeyboardInterrupt) leaves it so
         try:
-            result = self._train()
+            self._result = self._train()
             status = "stopped: budget" if self.state.iteration < args.iterations else "complete"
-            return result
+            return self._result
         except Exception:
             status = "stopped: error"
             raise
@@ -166,6 +220,7 @@ class ESTrainer:
         while self.state.iteration < args.iterations and not budget_spent(args, self._budget):
             started = time.perf_counter()
             seeds = strategy.ask(self.state, args.population_size)
+            self._tell_rewards()
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
             self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
             rewards = [member.reward for member in members]
@@ -181,6 +236,7 @@ class ESTrainer:
         """Before the loop: config.yaml, the resumed weights, the metrics logger and the budget so far,
         the evaluation before training, the progress bar. Returns the iteration the run starts at."""
         args, point = self.args, self.run.resume
+        self.failure_totals = {}
         self.run.write_config(args)
         start = 0
         if point is not None and point.checkpoint is not None:
@@ -190,14 +246,17 @@ class ESTrainer:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
             print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
         self.state = strategy.ESState(args.seed, start)
+        if start == 0 and args.iterations > 0 and (line := overlap_line(self.task)):  # said once per run
+            print(f"esft: {line}", file=sys.stderr)  # before training: results measured on training rows say so
         self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=start)
         self._budget = self._logger.last_budget()
         if start == 0:
             self.initial_metrics = before = self._evaluate_or_stop(start, "nothing was trained")
             self._logger.log({"iteration": 0, **before})
             if args.iterations:
-                _report("before", before)
-        self._progress = _progress(args, start)
+                report_accuracy("before", before)
+        self._progress = progress_bar(args.iterations, start, args.algorithm.upper(), enabled=args.progress)
+        console.attach(self._progress)  # status lines go above it, waiting for a reward service into it (esft.console)
         return start
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
@@ -217,8 +276,6 @@ class ESTrainer:
         if final or (args.eval_every and iteration % args.eval_every == 0):
             row |= self._evaluate_or_stop(iteration, "the weights are in")
             self._logger.log(row)  # merged into the training row
-            if final:
-                _report("after", row)
         if args.save_every and iteration % args.save_every == 0:
             self._save(self.run_dir / f"checkpoint-{iteration}")
             prune_checkpoints(self.run_dir, args.save_total_limit)
@@ -231,17 +288,21 @@ class ESTrainer:
     def _end(self, last: dict[str, float], start: int) -> dict[str, float]:
         """After the loop: the final evaluation of a run resumed at its end, final/, the failure counts."""
         args = self.args
-        self._progress.close()
+        self._progress.close()  # before the "accuracy after" lines: never glued to the bar's last line
         if not last and start > 0 and (start == args.iterations or budget_spent(args, self._budget)):
-            # resumed at the end (of the iterations or of the budget): the final evaluation again
-            last = {"iteration": start, **self._evaluate_or_stop(start, "the weights are in")}
-            self._logger.log(last)
-            _report("after", last)
+            # resumed at the end (of the iterations or of the budget): its final row again, evaluated if it has none
+            last = self._logger.row_of(start) or {}
+            if not any(key.startswith("eval/") for key in last):
+                last = {"iteration": start, **self._evaluate_or_stop(start, "the weights are in")}
+                self._logger.log(last)
+            print(f"esft: already at iteration {start} of {args.iterations}: nothing to train", file=sys.stderr)
+        if last and args.iterations:
+            report_accuracy("after", last)
         if args.iterations > 0:
             self._save(self.run_dir / "final")
             if uses_adapter(self.engine, args):  # LoRA-ES: final/ is the adapter; final-merged/ the merged model
                 self.save_model(self.run_dir / "final-merged", merged=True)
-        return (last or self.initial_metrics) | self._failure_summary()
+        return (last or self.initial_metrics) | failure_summary(self.failure_totals)
 
     def _batch(self, iteration: int):
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
@@ -290,19 +351,6 @@ class ESTrainer:
             raise NonFiniteWeights(f"iteration {self.state.iteration + 1}: {error}; {self._stop_checkpoint()} "
                                    "with a smaller --alpha or --sigma") from None
 
-    def _failure_summary(self) -> dict[str, Any]:
-        """Reward failure counts of this train() call (also printed: a run never ends silent about them)."""
-        summary: dict[str, Any] = {}
-        for name, total in self.failure_totals.items():
-            if total["failed"]:
-                summary[f"rewards/{name}/failures_total"] = total["failed"]
-                first = total["first"]
-                say(f"esft: reward function {name} failed on {total['failed']} of {total['samples']} samples"
-                    + (f" (first: {first.message})" if first else ""))
-        if summary:
-            summary["reward/failures_total"] = sum(summary.values())
-        return summary
-
     def close(self) -> None:
         """Stop the reward sandbox workers (they restart if the trainer is used again) and release
         the run directory."""
@@ -319,7 +367,8 @@ class ESTrainer:
 
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:
-        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": self.engine.checksum()}
+        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": self.engine.checksum(),
+                 "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
         save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
 
     def save_model(self, path: str | Path, merged: bool = False) -> None:
@@ -340,26 +389,3 @@ class ESTrainer:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-
-
-def _cpu_copy(model: Any) -> Any:
-    import copy
-
-    import torch
-
-    return copy.deepcopy(model).to(device="cpu", dtype=torch.float32)
-
-
-def _report(when: str, metrics: dict[str, float]) -> None:
-    for key, value in metrics.items():
-        if key.endswith("/accuracy"):
-            print(f"{key.split('/')[1]} accuracy {when}: {100 * value:.1f}%", file=sys.stderr)
-
-
-def _progress(args: ESConfig, start: int):
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=args.iterations, initial=start, desc=args.algorithm.upper(), unit="it", file=sys.stderr,
-               disable=not args.progress or args.iterations == 0)
-    console.attach(bar)  # status lines go above it, waiting for a reward service into it (esft.console)
-    return bar

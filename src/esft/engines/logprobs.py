@@ -77,3 +77,11 @@ class KLScorer:
         finetuned = completion_logprobs(self.model, prompt_ids, completion_ids, self.batch_size, pad)
         base = completion_logprobs(self.base(), prompt_ids, completion_ids, self.batch_size, pad)
         return [k3(ft, b).tolist() for ft, b in zip(finetuned, base)]
+
+
+def cpu_float32_copy(model: Any) -> Any:
+    """A float32 CPU copy of a model object's weights (KL's base for a model passed as an object: taken
+    before training, moved to the model's device and dtype at the first KL evaluation)."""
+    import copy
+
+    return copy.deepcopy(model).to(device="cpu", dtype=torch.float32)

@@ -14,6 +14,7 @@ import ray
 from esft.es.batches import PromptBatch, prompt_batch
 from esft.config import ESConfig
 from esft.executors.local import LocalExecutor, MemberResult
+from esft.rewards.conventions import RewardTrainerState
 from esft.rewards.runner import reward_runners
 
 
@@ -59,6 +60,7 @@ class ESActor:
             if self._batch is None or self._batch.iteration != iteration:
                 self._batch = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
             batch = self._batch
+        self.rewards.trainer_state = RewardTrainerState(iteration, self.args.iterations)  # TRL's trainer_state
         return self._local.evaluate_population(seeds, batch)
 
     def population_batching_problem(self) -> str | None:

@@ -114,6 +114,7 @@ class GRPOBaseline(ESTrainer):
         """TRL's reward function: the batch's rows scored by esft's RewardRunner (sandbox, failure
         rules); RewardError (after a checkpoint) when a generation batch cannot be scored."""
         rows = [self.task.train_dataset[index] for index in columns[ROW_COLUMN]]
+        self._tell_rewards()
         scores = self.rewards.score(rows, completions, completion_ids)
         self._stop_if_unscorable([scores], first=self._first_batch)
         self._first_batch = False
@@ -159,5 +160,5 @@ class GRPOBaseline(ESTrainer):
         else:
             files = TRLCheckpointFiles(self.run.resume.checkpoint / TRL_DIR, move=False)
         state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(),
-                 "checksum": self.engine.checksum()}
+                 "checksum": self.engine.checksum(), "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
         save_checkpoint(files, directory, state, save_master=False)

@@ -21,10 +21,12 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from esft.rewards.conventions import TRL, TRL_EXTRAS, RewardTrainerState, convention_of, target_column
 from esft.rewards.values import TRUSTED_ATTRIBUTE, RewardCall, call_reward, trusted_reward
 from esft.rewards.sandbox import Outcome, WorkerPool
 from esft.rewards.usercode import ByReference, NotShippable, describe, ship
@@ -34,7 +36,7 @@ logger = logging.getLogger("esft")
 # TRL's reward signature: f(prompts, completions, completion_ids, **columns) -> list[float | None];
 # None = no score.
 RewardFunc = Callable[..., Sequence[float | None]]
-PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids")
+PROVIDED_ARGUMENTS = ("prompts", "completions", "completion_ids") + TRL_EXTRAS
 """What every reward call provides besides the data's columns."""
 PROMPT_SOURCE = "_prompt_source"
 """Row key holding a chat prompt's original messages once `prompt` holds the rendered text (reward
@@ -79,6 +81,12 @@ class Scores:
     failed: dict[str, int] = field(default_factory=dict)
     """Failed samples per function."""
     first_failure: dict[str, Failure] = field(default_factory=dict)
+    logged: dict[str, list[float]] = field(default_factory=dict)
+    """Values reward functions passed to TRL's log_metric, by name (esft.rewards.conventions)."""
+    extras: dict[str, list[Any]] = field(default_factory=dict)
+    """Per-sample columns reward functions passed to TRL's log_extra."""
+    labels: dict[str, list[str | None]] = field(default_factory=dict)
+    """Per function returning (label, reward) pairs (ES-at-Scale's convention): each sample's label."""
 
     def mean(self) -> float:
         """Mean over scored samples; the failure reward when no sample was scored (so one member
@@ -155,6 +163,13 @@ def is_trusted(func: RewardFunc) -> bool:
     return bool(getattr(func, TRUSTED_ATTRIBUTE, False))
 
 
+def _in_process(func: RewardFunc, kwargs: dict[str, Any], n: int, options: dict[str, Any]) -> Outcome:
+    try:
+        return Outcome("ok", call_reward(func, kwargs, n, options))
+    except Exception as error:  # noqa: BLE001 - MemoryError and friends from user code
+        return Outcome("error", message=describe(error))
+
+
 _CALL_REWARD = ByReference("esft.rewards.values", "call_reward")
 
 
@@ -164,6 +179,7 @@ def reward_runners(task: Any, args: Any) -> tuple[RewardRunner, RewardRunner | N
     The trainer and every Ray actor score through these."""
     options = dict(failure_reward=args.failure_reward, sandbox=args.reward_sandbox, timeout=args.reward_timeout,
                    memory_mb=args.reward_memory_mb, workers=args.reward_workers)
+    options["target_column"] = getattr(args, "target_column", None)
     rewards = RewardRunner(task.reward_funcs, task.reward_weights, **options)
     if task.accuracy_func is None:
         return rewards, None
@@ -189,8 +205,13 @@ class RewardRunner:
         timeout: float = 10.0,
         memory_mb: int = 0,
         workers: int = 2,
+        target_column: str | None = None,
     ):
         self.funcs = list(reward_funcs)
+        self.conventions = [convention_of(func) for func in self.funcs]
+        self.target_column = target_column
+        self.trainer_state: RewardTrainerState | None = None
+        """What reward functions get as TRL's `trainer_state` (the trainer sets it before scoring)."""
         self.weights = list(weights) if weights is not None else [1.0] * len(self.funcs)
         if len(self.weights) != len(self.funcs):
             raise ValueError(f"{len(self.weights)} reward weights for {len(self.funcs)} reward functions")
@@ -225,17 +246,31 @@ class RewardRunner:
         if completion_ids is not None:  # the generated ids win over a dataset column of that name
             arguments["completion_ids"] = [list(ids) for ids in completion_ids]
         results: list[Any] = [None] * len(self.funcs)
-        jobs, slots = [], []
+        jobs, slots, in_process = [], [], []
+        target = target_column(arguments, self.target_column)
         for i, (func, shipped, accepted) in enumerate(zip(self.funcs, self.shipped, self.accepted)):
-            kwargs = arguments if accepted is None else {k: v for k, v in arguments.items() if k in accepted}
-            if shipped is None:
-                try:
-                    results[i] = Outcome("ok", call_reward(func, kwargs, n))
-                except Exception as error:  # noqa: BLE001 - MemoryError and friends from user code
-                    results[i] = Outcome("error", message=describe(error))
+            convention = self.conventions[i]
+            if convention != TRL:  # called per sample with its text and target (esft.rewards.conventions)
+                kwargs, hooks = arguments, ()
             else:
-                jobs.append((_CALL_REWARD, (shipped, kwargs, n), {}))
+                kwargs = arguments if accepted is None else {k: v for k, v in arguments.items() if k in accepted}
+                hooks = tuple(name for name in TRL_EXTRAS if accepted is None or name in accepted)
+            options = {"convention": convention, "target": target, "hooks": hooks, "trainer_state": self.trainer_state}
+            if shipped is None and inspect.iscoroutinefunction(func):
+                in_process.append((i, kwargs, options))  # async: awaited together below, as TRL gathers them
+            elif shipped is None:
+                results[i] = _in_process(func, kwargs, n, options)
+            else:
+                jobs.append((_CALL_REWARD, (shipped, kwargs, n, options), {}))
                 slots.append(i)
+        if len(in_process) == 1:
+            i, kwargs, options = in_process[0]
+            results[i] = _in_process(self.funcs[i], kwargs, n, options)
+        elif in_process:  # each in a thread of its own, with its own event loop: concurrently
+            with ThreadPoolExecutor(len(in_process)) as pool:
+                futures = [(i, pool.submit(_in_process, self.funcs[i], kwargs, n, options)) for i, kwargs, options in in_process]
+                for i, future in futures:
+                    results[i] = future.result()
         if jobs:
             if self.pool is None:
                 self.pool = WorkerPool(self.workers, self.memory_mb)
@@ -244,6 +279,8 @@ class RewardRunner:
         scores = Scores(total=[None] * n, failure_reward=self.failure_reward)
         for name, weight, outcome in zip(self.names, self.weights, results):
             values, errors, failure = self._values(name, outcome, n)
+            if outcome.ok:
+                self._collect(scores, name, RewardCall(*outcome.value))
             cleaned = [self.failure_reward if i in errors else value for i, value in enumerate(values)]
             if outcome.kind == "timeout":
                 scores.timeouts += len(errors)
@@ -258,6 +295,15 @@ class RewardRunner:
                     scores.total[i] = (scores.total[i] or 0.0) + weight * value
         scores.failures = scores.errors + scores.timeouts
         return scores
+
+    @staticmethod
+    def _collect(scores: Scores, name: str, call: RewardCall) -> None:
+        """What a call logged (TRL's log_metric, log_extra) and its labels, into the batch's Scores."""
+        for metric, values in (call.logged or {}).items():
+            scores.logged.setdefault(metric, []).extend(values)
+        scores.extras.update(call.extras or {})
+        if call.labels is not None:
+            scores.labels[name] = call.labels
 
     def _values(self, name: str, outcome: Outcome, n: int) -> tuple[list[float | None], dict[int, str], Failure | None]:
         """One function's values, failed samples and first failure, logging each kind once."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+from esft.rewards.conventions import TRL, awaited, call_per_sample
 from esft.rewards.usercode import describe, resolve, user_traceback
 
 TRUSTED_ATTRIBUTE = "__esft_trusted__"
@@ -33,6 +34,12 @@ class RewardCall(NamedTuple):
     """Why the batch call failed, when it did (each sample was then retried alone)."""
     traceback: str = ""
     """The first failure's traceback lines in the user's code."""
+    logged: dict[str, list[float]] | None = None
+    """What the function passed to TRL's `log_metric` (name -> values), if it was given it."""
+    extras: dict[str, list[Any]] | None = None
+    """What it passed to TRL's `log_extra` (column -> per-sample values)."""
+    labels: list[str | None] | None = None
+    """Per sample, the label an ES-at-Scale reward returned with its reward."""
 
 
 def clean_values(raw: Any, n: int) -> tuple[list[float | None], dict[int, str]]:
@@ -69,24 +76,56 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def call_reward(func: Any, kwargs: dict[str, list], n: int) -> RewardCall:
+def call_reward(func: Any, kwargs: dict[str, list], n: int, options: dict[str, Any] | None = None) -> RewardCall:
     """Run a reward function (a callable or an esft.rewards.usercode Shipped) on a batch: `func(**kwargs)`,
-    every kwarg a list of n items. A failed batch call is retried sample by sample."""
+    every kwarg a list of n items. A failed batch call is retried sample by sample. `options`
+    (esft.rewards.runner): "convention" (esft.rewards.conventions; per-sample conventions get
+    "target", the target column), "trainer_state", and "hooks": which of TRL's log_metric /
+    log_extra the function takes (what it logs comes back in the RewardCall)."""
     func = resolve(func)
+    options = options or {}
+    logged: dict[str, list[float]] = {}
+    extras: dict[str, list[Any]] = {}
+    fixed: dict[str, Any] = {}
+    hooks = options.get("hooks", ())
+    if "trainer_state" in hooks:
+        fixed["trainer_state"] = options.get("trainer_state")
+    if "log_metric" in hooks:
+        fixed["log_metric"] = lambda name, value: logged.setdefault(str(name), []).append(float(value))
+    if "log_extra" in hooks:
+        fixed["log_extra"] = lambda column, values: extras.setdefault(str(column), []).extend(values)
+    convention = options.get("convention", TRL)
+
+    def invoke(batch: dict[str, list]) -> tuple[Any, list[Any] | None]:
+        if convention == TRL:
+            return awaited(func(**batch, **fixed)), None
+        return call_per_sample(func, convention, batch, options.get("target"))
+
+    def done(values, errors, batch_error, detail="", labels=None) -> RewardCall:
+        has_labels = labels is not None and any(label is not None for label in labels)
+        return RewardCall(values, errors, batch_error, detail, logged if "log_metric" in hooks else None,
+                          extras if "log_extra" in hooks else None, labels if has_labels else None)
+
     try:
-        values, errors = clean_values(func(**kwargs), n)
-        return RewardCall(values, errors, None)
+        raw, labels = invoke(kwargs)
+        values, errors = clean_values(raw, n)
+        return done(values, errors, None, labels=labels)
     except MemoryError:
         raise
     except Exception as error:  # noqa: BLE001 - user code may raise anything
         batch_error, detail = describe(error), user_traceback(error)
     if n == 1:
-        return RewardCall([None], {0: batch_error}, batch_error, detail)
+        return done([None], {0: batch_error}, batch_error, detail)
     values: list[float | None] = []
+    labels: list[Any] = []
     errors: dict[int, str] = {}
+    extras.clear()  # the batch call's columns would not line up with the samples
     for index in range(n):
+        label = None
         try:
-            (value,), one_error = clean_values(func(**{k: v[index : index + 1] for k, v in kwargs.items()}), 1)
+            raw, one_label = invoke({k: v[index : index + 1] for k, v in kwargs.items()})
+            (value,), one_error = clean_values(raw, 1)
+            label = one_label[0] if one_label else None
             if one_error:
                 errors[index] = one_error[0]
         except MemoryError:
@@ -95,4 +134,5 @@ def call_reward(func: Any, kwargs: dict[str, list], n: int) -> RewardCall:
             value, errors[index] = None, describe(error)
             detail = detail or user_traceback(error)
         values.append(value)
-    return RewardCall(values, errors, batch_error, detail)
+        labels.append(label)
+    return done(values, errors, batch_error, detail, labels)

@@ -55,6 +55,16 @@ class MetricsLogger:
                     budget = {key: row.get(f"budget/{key}", budget[key]) for key in budget}
         return budget
 
+    def row_of(self, iteration: int) -> dict[str, Any] | None:
+        """The last row already logged for `iteration` (None if there is none)."""
+        found = None
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+                row = _row(line)
+                if row is not None and row.get("iteration") == iteration:
+                    found = row
+        return found
+
     def log(self, row: dict[str, Any]) -> None:
         """Write one row (must hold `iteration`): appended with one write call and flushed, or, when
         the file's last row has the same iteration (the training row written before its evaluation,

@@ -13,13 +13,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from esft.rewards import usercode
+from esft.rewards import conventions, usercode
 from esft.config_rules import split_list
 from esft.rewards.remote import RewardServiceError, remote_reward
 from esft.rewards.models import RewardModel, RewardModelError
 from esft.rewards.runner import PROVIDED_ARGUMENTS, reward_name
 from esft.tasks.base import Task, TaskError
 from esft.tasks.loading import apply_template, check_rows, common_columns, load_splits, train_split
+from esft.tasks.selection import with_prompts
 from esft.rewards.usercode import describe
 
 # The arguments a task factory may take (it receives those it names, or all with **kwargs).
@@ -41,7 +42,7 @@ def load_callable(spec: str, option: str) -> Callable:
 
 
 def check_reward_func(func: Any, columns: set[str], where: str, role: str = "reward function",
-                      rows: Sequence[dict[str, Any]] = ()) -> None:
+                      rows: Sequence[dict[str, Any]] = (), target: str | None = None) -> None:
     """TaskError unless `func` can be called as f(prompts=..., completions=..., **columns) with
     `columns` (TRL's convention): it must take `completions`, take its arguments by keyword, and
     every argument without a default must be one of PROVIDED_ARGUMENTS or a column of the data
@@ -54,9 +55,19 @@ def check_reward_func(func: Any, columns: set[str], where: str, role: str = "rew
     except (TypeError, ValueError):
         return  # a builtin or extension: nothing to check
     params = list(signature.parameters.values())
+    convention = conventions.convention_of(func)
+    if convention != conventions.TRL:  # ES-at-Scale's reward(model_output, target) or verl's compute_score
+        if conventions.target_column(columns, target) is None:
+            wanted = f"column {target!r}" if target else f"a target column ({', '.join(conventions.TARGET_COLUMNS)})"
+            raise TaskError(f"{role} {name}{signature} is called per completion with its row's target ({convention}'s "
+                            f"signature), but {where} has no {wanted} (its columns: {', '.join(sorted(columns)) or 'none'}); "
+                            "name it with --target-column")
+        return
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     by_keyword = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    convention = "reward functions are called as f(prompts=..., completions=..., **columns), TRL's convention"
+    convention = ("reward functions are called as f(prompts=..., completions=..., **columns), TRL's convention (or "
+                  "per completion: ES-at-Scale's reward(model_output, target), verl's compute_score(data_source, "
+                  "solution_str, ground_truth, extra_info))")
     positional_only = [p.name for p in params if p.kind is p.POSITIONAL_ONLY and p.default is p.empty]
     if positional_only:
         raise TaskError(f"{role} {name}{signature} has a wrong signature: positional-only {positional_only}; {convention}")
@@ -102,10 +113,11 @@ def prepare_task(task: Any, origin: str = "the task") -> Task:
     if task.reward_weights is not None and len(task.reward_weights) != len(funcs):
         raise TaskError(f"{origin}: {len(task.reward_weights)} reward weights for {len(funcs)} reward functions")
     datasets = ([(train_where, train)] if train else []) + [(labels[s], rows) for s, rows in evals.items()]
+    target = task.metadata.get("target_column")
     for where, rows in datasets:
         columns = common_columns(rows)
         for func in funcs:
-            check_reward_func(func, columns, where, rows=rows)
+            check_reward_func(func, columns, where, rows=rows, target=target)
         if task.accuracy_func is not None:
             check_reward_func(task.accuracy_func, columns, where, role="accuracy function", rows=rows)
     return dataclasses.replace(task, train_dataset=train, eval_datasets=evals, reward_funcs=funcs)
@@ -149,10 +161,12 @@ def _reward_from_string(spec: str, device: str) -> Any:
 
 
 def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, reward_weights: Any,
-                      accuracy_func: Any, reward_model_device: str = "auto") -> Task:
+                      accuracy_func: Any, reward_model_device: str = "auto", prompt_column: str | None = None,
+                      prompt_template: str | None = None, target_column: str | None = None) -> Task:
     """The ESTrainer(reward_funcs=..., train_dataset=..., eval_dataset=...) task. Reward functions
     may be callables, "module:function" strings or, as in TRL, reward model directories / hub ids
-    (loaded on `reward_model_device`)."""
+    (loaded on `reward_model_device`). A DatasetDict (or dict of splits) as `train_dataset` trains on
+    its `train` split (its only split, if it has one), as --train-data does."""
     if reward_funcs is None:
         raise TaskError("reward_funcs is required when train_dataset or eval_dataset is given")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -161,16 +175,34 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
         accuracy_func = load_callable(accuracy_func, "accuracy_func")
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise TaskError(f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions")
+    if isinstance(train_dataset, Mapping):  # load_dataset(...) returns a DatasetDict
+        train_dataset = _train_of(train_dataset)
     single = eval_dataset is not None and not isinstance(eval_dataset, Mapping)
-    task = Task("custom", train_dataset if train_dataset is not None else [], _eval_splits(eval_dataset, "eval"), funcs,
+    # one eval dataset: reported under its own split name (load_dataset(...)["test"] -> eval/test/...), else heldout
+    label = str(getattr(eval_dataset, "split", None) or "heldout") if single else "eval"
+    evals = {split: with_prompts(rows, prompt_column, prompt_template, f"eval_dataset[{split!r}]")
+             for split, rows in _eval_splits(eval_dataset, label).items()}
+    train_dataset = with_prompts(train_dataset, prompt_column, prompt_template, "train_dataset") if train_dataset is not None else []
+    task = Task("custom", train_dataset, evals, funcs,
                 list(reward_weights) if reward_weights is not None else None, accuracy_func,
-                metadata={"eval_labels": {"eval": "eval_dataset"}} if single else {})
+                metadata=({"eval_labels": {label: "eval_dataset"}} if single else {}) | {"target_column": target_column})
     return prepare_task(task, "the given datasets")
+
+
+def _train_of(splits: Mapping) -> Any:
+    """The training split of a dict of splits / DatasetDict: its only split, else 'train'."""
+    if len(splits) == 1:
+        return next(iter(splits.values()))
+    if "train" in splits:
+        return splits["train"]
+    raise TaskError(f"train_dataset is a DatasetDict (or dict) with splits {', '.join(map(str, splits)) or 'none'} and none "
+                    "is named 'train'; pass one split, e.g. train_dataset=data['<split>']")
 
 
 def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: str | None, reward_weights: list[float] | None,
                    reward_model: str | None = None, reward_url: str | None = None, reward_model_device: str = "auto",
-                   reward_url_deadline: float | None = None) -> Task:
+                   reward_url_deadline: float | None = None, prompt_column: str | None = None,
+                   prompt_template: str | None = None, target_column: str | None = None) -> Task:
     """`--train-data/--eval-data` + `--reward-funcs` (and/or `--reward-model`, `--reward-url`): no
     code beyond the reward functions. Rewards in that order (the order of --reward-weights)."""
     if train_data is None and eval_data is None:
@@ -191,8 +223,11 @@ def task_from_data(train_data: str | None, eval_data: str | None, reward_funcs: 
         evals = load_splits(eval_data)
         single_file = Path(eval_data).is_file()
         metadata["eval_labels"] = {split: str(eval_data) if single_file else f"{eval_data} (split {split!r})" for split in evals}
+    train = with_prompts(train, prompt_column, prompt_template, metadata.get("train_where", "--train-data"))
+    labels = metadata.get("eval_labels", {})
+    evals = {split: with_prompts(rows, prompt_column, prompt_template, labels.get(split, split)) for split, rows in evals.items()}
     funcs += service_rewards(reward_model, reward_url, reward_model_device, reward_url_deadline)  # after the data: bad data fails faster
-    task = Task("custom", train, evals, funcs, reward_weights, metadata=metadata)
+    task = Task("custom", train, evals, funcs, reward_weights, metadata=metadata | {"target_column": target_column})
     return prepare_task(task, "--reward-funcs")
 
 
@@ -225,8 +260,11 @@ def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
     registered task (countdown, conciseness, math)."""
     if args.reward_funcs or args.reward_model or args.reward_url:
         return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights, args.reward_model,
-                              args.reward_url, args.reward_model_device, getattr(args, "reward_url_deadline", None))
+                              args.reward_url, args.reward_model_device, getattr(args, "reward_url_deadline", None),
+                              args.prompt_column, args.prompt_template, args.target_column)
     settings = {name: getattr(args, name) for name in FACTORY_SETTINGS}
+    if settings["eval_size"] is None:  # ESConfig's "every row of --eval-data; 500 generated problems"
+        settings["eval_size"] = 500
     if is_spec(args.task):
         return task_from_factory(args.task, settings)
     from esft.tasks import load_task

@@ -170,7 +170,8 @@ def check_rows(rows: Iterable[Any], where: str) -> list[dict[str, Any]]:
         if not isinstance(prompt, str) and not is_messages(prompt):
             got = f"columns {sorted(row)}" if "prompt" not in row else f"a {type(prompt).__name__}: {str(prompt)[:60]!r}"
             raise TaskError(f"{where} row {index}: needs a 'prompt' column holding a string or a list of chat messages "
-                            f"[{{'role': ..., 'content': ...}}], got {got}")
+                            f"[{{'role': ..., 'content': ...}}], got {got}; data with its prompt in another column: "
+                            "--prompt-column COL or --prompt-template '...{COL}...' (ESConfig prompt_column, prompt_template)")
         checked.append(row)
     if not checked:
         raise TaskError(f"{where} is empty")
