@@ -151,3 +151,33 @@ def test_auto_rows_per_call_fit_the_cpu_target_and_memory(engine):
     assert auto_prompts_per_call(engine.model, 3, 30, 90) == 3
     assert bytes_per_row(engine.model, 100) > bytes_per_row(engine.model, 50) > 0
     assert engine.prompts_per_call(200, 30, "auto", 24) == CPU_TARGET_ROWS // 30
+
+
+def test_the_cache_goes_by_the_name_the_model_takes(tiny_model_dir):
+    """transformers >= 5.24 renamed forward's `past_key_values` to `cache` (the old name warns on every
+    decoding step, and goes in 5.40): the decoder passes the name the model's forward declares, and
+    greedy tokens are the same under either name."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    import inspect
+
+    expected = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    assert decoding._cache_argument(model) == expected
+
+    class RenamedCache(torch.nn.Module):  # a model of the newer signature, delegating to the real one
+        def __init__(self, inner):
+            super().__init__()
+            self.inner, self.config = inner, inner.config
+
+        def forward(self, input_ids, cache=None, attention_mask=None, position_ids=None, use_cache=True):
+            return self.inner(input_ids=input_ids, past_key_values=cache, attention_mask=attention_mask,
+                              position_ids=position_ids, use_cache=use_cache)
+
+    renamed = RenamedCache(model)
+    assert decoding._cache_argument(renamed) == "cache"
+    batch = tokenizer(["ab", "abcd"], return_tensors="pt", padding=True, padding_side="left")
+    eos = [tokenizer.eos_token_id]
+    assert decoding.decode_greedy(renamed, batch["input_ids"], batch["attention_mask"], 6, eos) == \
+        decoding.decode_greedy(model, batch["input_ids"], batch["attention_mask"], 6, eos)

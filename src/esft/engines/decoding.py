@@ -92,6 +92,13 @@ def _accepts(model, name: str) -> bool:
     return getattr(model, key)
 
 
+def _cache_argument(model) -> str:
+    """transformers >= 5.24 renamed forward's past_key_values to cache (the old name warns, and goes in
+    5.40); a PEFT model passes either through to its base model, whose signature decides."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if _accepts(base, "cache") else "past_key_values"
+
+
 @torch.no_grad()
 def decode_greedy(
     model,
@@ -118,7 +125,7 @@ def decode_greedy(
         on_rows(active)
     tokens = torch.zeros((batch, max_new_tokens), dtype=torch.long, device=device)
     lengths = torch.full((batch,), max_new_tokens, dtype=torch.long, device=device)
-    inputs = {"input_ids": input_ids, "past_key_values": cache, "use_cache": True}
+    inputs = {"input_ids": input_ids, _cache_argument(model): cache, "use_cache": True}
     if _accepts(model, "position_ids"):
         inputs["position_ids"] = positions
     if _accepts(model, "logits_to_keep"):

@@ -31,6 +31,7 @@ import json
 import re
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -122,8 +123,9 @@ def _with_adapter(model: Any, args: ESConfig, adapter: str | None) -> Any:
     import torch
     from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 
-    with torch.random.fork_rng(devices=[]):  # PEFT draws A from the global RNG: seeded, then put back
-        torch.manual_seed(args.seed)
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # PEFT draws A from the global RNG: seeded,
+        torch.manual_seed(args.seed)  # then put back; PEFT reads transformers' deprecated is_gradient_checkpointing:
+        warnings.filterwarnings("ignore", ".*is_gradient_checkpointing", FutureWarning)  # not the user's to act on
         if adapter is not None:
             config = PeftConfig.from_pretrained(adapter)
             if getattr(config, "lora_dropout", 0):
