@@ -165,7 +165,8 @@ def test_a_killed_final_evaluation_resumes_to_the_rows_of_an_uninterrupted_run(t
     try:
         env = {**ENV, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}", "CALLS_FILE": str(tmp_path / "x"),
                "KILL_AT_CALL": "0", "KILL_PID": "0"}
-        resumed = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--resume", str(cut_dir)], cwd=tmp_path,
+        resumed = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--resume", str(cut_dir),  # its reward
+                                  "--trust-run-code"], cwd=tmp_path,  # file is code the run's settings name (issue 26)
                                  env=env, capture_output=True, text=True, timeout=300)
     finally:
         stop(restarted)
