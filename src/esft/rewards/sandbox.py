@@ -114,8 +114,9 @@ def _worker_main(conn, liveness, memory_mb: int, preload: Sequence[str], sys_pat
         try:
             message = conn.recv()
         except (EOFError, OSError):
-            return
-        if message is None:
+            message = None
+        if message is None:  # retired: end what the jobs started while it is still ours (once this worker
+            kill_tree(pid)  # exits, detached children go to init and the trainer's kill_tree finds nothing)
             return
         job_id, target, args, kwargs = message
         output.take()  # what earlier jobs printed is not this job's
