@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esft.config_fields import GROUPS, RunFields, _in
+from esft.config_fields import GROUPS, _in
+from esft.config_variants import VariantFields, check_variants
 from esft.trl_names import unknown_setting
 from esft.config_rules import (
     CHOICES,
@@ -45,7 +46,7 @@ def model_path(args: ESConfig, model: str | None = None) -> str:
 
 
 @dataclass
-class ESConfig(RunFields):
+class ESConfig(VariantFields):
     """Settings of an ES fine-tuning run. Defaults: the paper's ES hyperparameters (N=30, σ=1e-3,
     α=σ/2, i.i.d. full-rank noise) on the embedded tiny model and easy Countdown, sized to finish in
     minutes on a CPU. The `esft train` demo adds DEMO_PRESET as defaults (esft.cli.demo_preset_for)."""
@@ -95,6 +96,7 @@ class ESConfig(RunFields):
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and how to fix it (esft.config_rules)."""
         check(self)
+        check_variants(self)
 
     def uses_lora(self) -> bool:
         """LoRA-ES (esft.engines.lora): --lora-r or --lora-adapter given, or --model is a PEFT adapter directory."""

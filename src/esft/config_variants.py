@@ -1,0 +1,72 @@
+"""The ES variants' settings (issue 22): mirrored sampling, an optimizer on the ES gradient and
+schedules of σ and α; one documented field each, in the "ES" section of `esft train --help`, and
+the rules they must satisfy. Every default is the paper's rule: one-sided seeds, θ += α·g (sgd),
+constant σ and α."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from esft.config_fields import RunFields, _in
+from esft.config_rules import ConfigError
+
+SCHEDULE = re.compile(r"(constant)|(linear|cosine)(?::([0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?")
+"""constant, or linear/cosine with an optional ':final fraction' (of the initial value, default 0.1)."""
+
+
+@dataclass
+class VariantFields(RunFields):
+    """RunFields and the ES variants (ESConfig adds the GRPO (TRL) section)."""
+
+    antithetic: bool = _in(
+        "ES", "Mirrored (antithetic) sampling: N/2 seeds, each evaluated at θ + σ·ε and θ − σ·ε (members 2k and "
+        "2k+1), both used in the update; --population-size must be even. Off: the paper's one-sided seeds.",
+        default=False)
+    optimizer: str = _in(
+        "ES", "How the ES gradient estimate g = (1/N)·Σ zᵢ·εᵢ moves the weights: sgd (the paper: θ += α·g) or adam "
+        "(θ += α·m̂/(√v̂ + --adam-eps), float32 moments beside the master: 8 extra bytes per trainable parameter, "
+        "saved in checkpoints). Typical --alpha for adam is far below the paper's (every weight moves by about "
+        "α per step).", default="sgd")
+    adam_betas: str = _in("ES", "Adam's β₁,β₂ (two numbers in [0, 1), comma-separated).", default="0.9,0.999")
+    adam_eps: float = _in("ES", "Adam's ε, added to √v̂.", default=1e-8)
+    weight_decay: float = _in(
+        "ES", "Decoupled weight decay (AdamW-style): θ ← θ·(1 − α·wd) before each step, with either optimizer. "
+        "0: none (the paper).", default=0.0)
+    sigma_schedule: str = _in(
+        "ES", "σ per iteration: constant, or linear / cosine from --sigma down to a final fraction of it "
+        "(e.g. cosine:0.1; default fraction 0.1), over --iterations. Logged as es/sigma.", default="constant")
+    alpha_schedule: str = _in(
+        "ES", "α per iteration, as --sigma-schedule (e.g. linear:0.0 decays to 0). Logged as es/alpha.",
+        default="constant")
+
+    def adam_beta_pair(self) -> tuple[float, float]:
+        """--adam-betas as two floats (validated by check_variants)."""
+        first, second = (float(part) for part in self.adam_betas.split(","))
+        return first, second
+
+
+def check_variants(config) -> None:
+    """ConfigError naming the first invalid ES-variant setting and how to fix it."""
+    if config.optimizer not in ("sgd", "adam"):
+        raise ConfigError("optimizer", f"must be sgd or adam; got {config.optimizer!r}")
+    if config.antithetic and config.population_size % 2:
+        raise ConfigError("population_size", f"--antithetic pairs members (θ ± σ·ε), so N must be even; got "
+                          f"{config.population_size}: use {config.population_size + 1} or {config.population_size - 1}")
+    parts = str(config.adam_betas).split(",")
+    try:
+        betas = [float(part) for part in parts]
+    except ValueError:
+        betas = []
+    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+        raise ConfigError("adam_betas", f"must be two numbers in [0, 1) such as 0.9,0.999; got {config.adam_betas!r}")
+    if not config.adam_eps > 0:
+        raise ConfigError("adam_eps", f"must be > 0, got {config.adam_eps}; use e.g. 1e-8")
+    if config.weight_decay < 0:
+        raise ConfigError("weight_decay", f"must be >= 0, got {config.weight_decay}")
+    for name in ("sigma_schedule", "alpha_schedule"):
+        value = getattr(config, name)
+        match = SCHEDULE.fullmatch(str(value))
+        if match is None or (match.group(3) is not None and not 0 <= float(match.group(3)) <= 1):
+            raise ConfigError(name, f"must be constant, linear, cosine, or linear:F / cosine:F with a final fraction F "
+                              f"in [0, 1] (e.g. cosine:0.1); got {value!r}")
