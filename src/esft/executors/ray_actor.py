@@ -88,6 +88,11 @@ class ESActor:
     def checksum(self) -> str:
         return self.engine.checksum()
 
+    def generate_log(self) -> list[tuple[int, int]]:
+        """(rows, distinct LoRA adapters) of each generate call of an engine that logs them (the vLLM
+        engine: esft.engines.vllm_engine), else []: how this actor evaluated its share."""
+        return list(getattr(self.engine, "generate_log", []))
+
     def generate(self, prompts, mini_batch_size=None, sampling=None):
         return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)
 
