@@ -57,16 +57,20 @@ def actor_logs(executor: RayExecutor) -> list[list[tuple[int, int]]]:
 
 
 @pytest.mark.slow
-def test_ray_actors_serve_their_lowrank_share_as_adapters_like_the_local_vllm_run(ray_cluster, vllm_engine, vllm_model_dir):
+def test_ray_actors_serve_their_lowrank_share_as_adapters_like_the_local_vllm_run(ray_cluster, vllm_engine, vllm_model_dir,
+                                                                                  capfd):
     """`--executor ray --workers 2 --engine vllm --noise lowrank` against `--engine vllm --noise lowrank`
-    in this process (the session engine)."""
+    in this process (the session engine); the user sees the actors' line on what is frozen, once."""
     args = ESConfig(model=str(vllm_model_dir), executor="ray", workers=2, engine="vllm", noise="lowrank", rank=2,
                     sigma=0.3, **RUN)
     vllm_engine.rank = args.rank
     vllm_engine.configure(trainable=None, noise="lowrank")
     local = LocalExecutor(vllm_engine, scorer, args.sigma, population_batching=True)
+    capfd.readouterr()
     executor = RayExecutor(args, toy_task(), str(vllm_model_dir))
     try:
+        frozen = [line for line in capfd.readouterr().err.splitlines() if "vLLM serves as LoRA" in line]
+        assert len(frozen) == 1 and "frozen: model.embed_tokens.weight" in frozen[0], frozen
         assert executor.population_batching is True  # auto: members as adapters on every actor
         calls = len(vllm_engine.generate_log)
         run_both(executor, local, args)
