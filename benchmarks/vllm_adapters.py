@@ -9,6 +9,10 @@ Also the agreement of the adapter members' completions with the transformers eng
 population path (same seeds), as in vllm_agreement.py.
 
     OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --model embedded --prompts 32 --population 30 --rounds 3
+    OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --model 30m --prompts 200 --population 30 --rounds 3
+
+`--model 30m` is benchmarks/throughput.py's 30M-parameter Llama built from a config (throughput_tools.build_model),
+saved to a temporary directory for vLLM to load.
 """
 
 from __future__ import annotations
@@ -17,29 +21,52 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def model_directory(name: str, tmp: Path) -> str:
+    """A directory vLLM loads: the embedded model's, benchmarks/throughput.py's '30m' model saved
+    under `tmp` (random weights from a config, the embedded model's tokenizer), or `name` itself."""
+    from esft.config import embedded_model_path
+
+    if name == "embedded":
+        return str(embedded_model_path())
+    if name == "30m":
+        from throughput_tools import build_model
+
+        model, tokenizer, _ = build_model(name, tmp)
+        path = tmp / "30m"
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        return str(path)
+    return name
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="embedded", help="embedded, or a model directory")
+    parser.add_argument("--model", default="embedded", help="embedded, 30m (throughput.py's 30M-parameter model), "
+                        "or a model directory")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--population", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sigma", type=float, default=1e-3)
     opts = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="esft-vllm-adapters-") as tmp:
+        measure(opts, model_directory(opts.model, Path(tmp)))
 
-    from esft.config import embedded_model_path
+
+def measure(opts, path: str) -> None:
     from esft.engines.population import generate_population
     from esft.engines.transformers_engine import TransformersEngine
     from esft.engines.vllm_adapters import servable_pattern
     from esft.engines.vllm_engine import VLLMEngine
 
-    path = str(embedded_model_path()) if opts.model == "embedded" else opts.model
     prompts = [f"Using the numbers [{i} {i + 3} {2 * i + 1}], create an equation that equals {3 * i + 4}." for i in
                range(opts.prompts)]
     engine = VLLMEngine(path, noise="lowrank", rank=1, max_tokens=opts.max_tokens, max_loras=min(opts.population, 64),

@@ -77,10 +77,11 @@ def test_adapters_are_the_transformers_perturbation_and_give_its_completions(low
         engine.perturb(seed, SIGMA)
         current = engine.current_weights()
         assert all(torch.equal(current[name], expected[name]) for name in expected)
+        alone = engine.generate(PROMPTS)  # this member served alone on vLLM, no adapter: no other member's KV
         engine.restore()
         completions = reference.generate(PROMPTS)
         reference.restore()
-        assert members[position] == completions == batched_hf[position]
+        assert members[position] == alone == completions == batched_hf[position]
         changed += completions.texts != base.texts
     assert changed >= 1  # the adapters reach the forward pass
     assert engine.generate(PROMPTS) == base  # the base weights were never touched
@@ -164,49 +165,26 @@ def test_cli_trains_the_demo_with_vllm_lowrank_adapters(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "demo" / "final") is not None
 
 
-@pytest.mark.slow
-def test_ray_actors_each_serve_their_share_as_adapters_of_their_own_engine(tmp_path):
-    """`--executor ray --workers 2 --engine vllm --noise lowrank`: two actors, one vLLM engine each,
-    each evaluating its share of the population as adapters; the same rewards and bit-identical
-    weights as the transformers engine running the same algorithm in this process."""
-    ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
-    from test_ray import toy_task
-    from tiny_model import build_tiny_model
+def test_vllm_keys_prefix_cache_blocks_by_adapter_but_not_base_weights():
+    """Why prefix caching stays off (README): the installed vLLM hashes a block with its request's
+    (lora_name, lora_path) (vllm.v1.core.kv_cache_utils._gen_lora_extra_hash_keys), so two members
+    with the same prompt and seed are keyed apart by their fresh adapter ids; requests without an
+    adapter (evaluation, members perturbed in place) get the same keys whatever the weights are."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
 
-    from esft.config import ESConfig
-    from esft.es.batches import prompt_batch
-    from esft.executors.ray_executor import RayExecutor
+    from esft.engines.vllm_adapters import member_request
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
-    path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
-                            num_key_value_heads=1)
-    args = ESConfig(model=str(path), executor="ray", workers=2, engine="vllm", noise="lowrank", rank=RANK,
-                    max_model_len=256, gpu_memory_utilization=0.1, population_size=6, batch_size=4, max_tokens=12,
-                    sigma=SIGMA, logging="none", progress=False)
-    task = toy_task()
-    executor = RayExecutor(args, task, str(path))
-    try:
-        assert executor.population_batching is True  # auto: members as adapters on every actor
-        pattern = r"\.(down_proj|gate_proj|k_proj|o_proj|q_proj|up_proj|v_proj)\.weight$"
-        reference = hf_engine(path, noise="lowrank", rank=RANK, trainable=pattern)
-        reference.max_tokens = 12
-        local = LocalExecutor(reference, lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids),
-                              SIGMA, population_batching=True)
-        for iteration in range(2):
-            seeds = strategy.ask(strategy.ESState(0, iteration), 6)
-            rows = prompt_batch(task.train_dataset, 0, args.batch_size, iteration)
-            ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
-            assert ours == [m.reward for m in local.evaluate_population(seeds, rows)]
-            assert len(set(ours)) > 1
-            _, coefficients = strategy.tell(strategy.ESState(0, iteration), ours, 0.5)
-            executor.update(seeds, coefficients)
-            local.update(seeds, coefficients)
-        master = executor.engine.master_state()
-        assert set(master) == set(reference.master)
-        assert all(torch.equal(master[n], reference.master[n]) for n in master)
-    finally:
-        executor.close()
-        if started:
-            ray.shutdown()
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(4, sha256)
+    tokens = list(range(10, 26))  # 4 full blocks
+
+    def blocks(lora_request=None):
+        return hasher(Request("r", tokens, SamplingParams(max_tokens=1), None, lora_request=lora_request))
+
+    first, second = blocks(member_request(1, 7, SIGMA)), blocks(member_request(2, 7, SIGMA))
+    assert len(first) == 4 and not set(first) & set(second)  # no block of one member serves another
+    assert first == blocks(member_request(1, 7, SIGMA))  # the key is the adapter's name and path
+    assert blocks() == blocks() and not set(blocks()) & set(first)

@@ -87,6 +87,9 @@ class VLLMEngine:
         # Low-rank noise: members are LoRA adapters of this engine (esft.engines.vllm_adapters), as
         # many per scheduler step as max_loras (default 8), rank slots sized to the smallest that fits.
         self.rank, self._next_adapter_id = rank, 1
+        self.generate_log: list[tuple[int, int]] = []
+        """(rows, distinct LoRA adapters) of every vLLM `generate` call this engine made: a population
+        served as adapters shows as one call carrying all its members (tests, benchmarks)."""
         # LoRA-ES (esft.engines.vllm_lora) sets adapter_rank, the trained adapter's rank, beforehand.
         served_rank = getattr(self, "adapter_rank", None) or (rank if noise in LOW_RANK_SCHEMES else None)
         lora = dict(enable_lora=True, max_loras=max_loras or 8, max_lora_rank=smallest_lora_rank(served_rank)) \
@@ -231,9 +234,15 @@ class VLLMEngine:
 
         params = self._sampling_params(sampling or Sampling())
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=row) for row in ids], params, use_tqdm=False)
+        outputs = self._llm_generate([TokensPrompt(prompt_token_ids=row) for row in ids], params)
         rows = [completion.token_ids for output in outputs for completion in output.outputs]
         return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
+
+    def _llm_generate(self, rows, params, lora_requests=None):
+        """vLLM's generate over `rows` (one LoRARequest per row, or none), logged in generate_log."""
+        adapters = len({request.lora_int_id for request in lora_requests}) if lora_requests else 0
+        self.generate_log.append((len(rows), adapters))
+        return self.llm.generate(rows, params, use_tqdm=False, lora_request=lora_requests)
 
     def _sampling_params(self, sampling: Sampling):
         from vllm import SamplingParams
@@ -277,8 +286,7 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         rows = [TokensPrompt(prompt_token_ids=row) for _ in member_seeds for row in ids]
-        outputs = self.llm.generate(rows, self._sampling_params(Sampling()), use_tqdm=False,
-                                    lora_request=[request for request in requests for _ in ids])
+        outputs = self._llm_generate(rows, self._sampling_params(Sampling()), [request for request in requests for _ in ids])
         tokens = [output.outputs[0].token_ids for output in outputs]
         return [generation_from_tokens(tokens[m * len(ids):(m + 1) * len(ids)], self.eos_token_ids, self.tokenizer)
                 for m in range(len(member_seeds))]

@@ -129,8 +129,7 @@ class VLLMLoRAEngine(VLLMEngine):
 
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         rows = [TokensPrompt(prompt_token_ids=row) for _ in requests for row in ids]
-        outputs = self.llm.generate(rows, self._sampling_params(sampling), use_tqdm=False,
-                                    lora_request=[request for request in requests for _ in ids])
+        outputs = self._llm_generate(rows, self._sampling_params(sampling), [request for request in requests for _ in ids])
         per_request = len(ids) * sampling.n
         tokens = [completion.token_ids for output in outputs for completion in output.outputs]
         return [generation_from_tokens(tokens[k * per_request:(k + 1) * per_request], self.eos_token_ids, self.tokenizer)

@@ -3,6 +3,8 @@ its own process on some node of the cluster."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 import tempfile
@@ -34,7 +36,15 @@ class ESActor:
         from esft.engines import build_engine
 
         self.args, self.task = args, None
-        self.engine = build_engine(args, model)
+        # The engine's own lines (what is frozen, ...) would stay in this actor's log (the driver runs
+        # Ray with log_to_driver=False): kept for the driver to print once (startup_notes).
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(printed):
+                self.engine = build_engine(args, model)
+        finally:
+            sys.stderr.write(printed.getvalue())
+        self._notes = [line for line in printed.getvalue().splitlines() if line.startswith("esft: ")]
         self._batch: PromptBatch | None = None
 
     def set_task(self, task, population_batching: bool) -> None:
@@ -45,6 +55,10 @@ class ESActor:
         self.rewards, _ = reward_runners(task, self.args)
         self._local = LocalExecutor(self.engine, self.rewards.score, self.args.sigma,
                                     population_batching=population_batching)
+
+    def startup_notes(self) -> list[str]:
+        """The `esft: ...` lines the engine printed while it was built."""
+        return list(self._notes)
 
     def identity(self) -> tuple[int, str]:
         """(pid, node ip): names the actor in errors; the test kills the pid."""
@@ -87,6 +101,11 @@ class ESActor:
 
     def checksum(self) -> str:
         return self.engine.checksum()
+
+    def generate_log(self) -> list[tuple[int, int]]:
+        """(rows, distinct LoRA adapters) of each generate call of an engine that logs them (the vLLM
+        engine: esft.engines.vllm_engine), else []: how this actor evaluated its share."""
+        return list(getattr(self.engine, "generate_log", []))
 
     def generate(self, prompts, mini_batch_size=None, sampling=None):
         return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)

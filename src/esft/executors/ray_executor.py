@@ -87,6 +87,8 @@ class RayExecutor:
         identities = ray.get([slot.actor.identity.remote() for slot in self.slots])
         for slot, identity in zip(self.slots, identities):
             slot.identity = tuple(identity)
+        for line in ray.get(self.slots[0].actor.startup_notes.remote()):  # every actor built the same engine
+            print(line, file=sys.stderr)
         self._checksum = self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
         try:  # the batched path's self-check on one actor, before training (every actor holds the same model)
             self.population_batching = resolve_population_batching(
