@@ -6,8 +6,10 @@ t = 0 … T−1) of a run of T = --iterations iterations. With progress p = t / 
 clamped to [0, 1]) and F the final fraction of `spec` (default 0.1):
 
 - `constant`: initial, at every iteration (the paper).
-- `linear[:F]`: initial · (1 − (1 − F)·p): initial at t = 0, F·initial at the last iteration t = T − 1.
+- `linear[:F]`: initial · (F + (1 − F)·(1 − p)): initial at t = 0, F·initial at the last iteration t = T − 1.
 - `cosine[:F]`: initial · (F + (1 − F)·(1 + cos(π·p)) / 2): the same end points, flat at both ends.
+
+At t = 0 (p = 0) the value is `initial` exactly, and at p = 1 exactly initial·F.
 
 σ_t is the noise scale members are perturbed with in iteration t; α_t the step of its update (the
 trainer logs both as es/sigma and es/alpha). The two are scheduled independently: α's default of σ/2
@@ -36,9 +38,10 @@ def scheduled(spec: str, initial: float, iteration: int, iterations: int) -> flo
     if kind == "constant":
         return float(initial)
     progress = min(max(iteration / (iterations - 1), 0.0), 1.0) if iterations > 1 else 0.0
-    if kind == "linear":
-        return float(initial) * (1.0 - (1.0 - final) * progress)
-    return float(initial) * (final + (1.0 - final) * (1.0 + math.cos(math.pi * progress)) / 2.0)
+    if progress == 0.0:
+        return float(initial)
+    weight = 1.0 - progress if kind == "linear" else (1.0 + math.cos(math.pi * progress)) / 2.0
+    return float(initial) * (final + (1.0 - final) * weight)
 
 
 def step_sizes(args: Any, iteration: int) -> tuple[float, float]:
