@@ -99,3 +99,41 @@ def test_lowrank_adapters_serve_mirrored_members_as_the_transformers_engine(lowr
     assert len(set(history[0])) > 1
     master = engine.master_state()
     assert all(torch.equal(master[name], reference.master[name]) for name in master)
+
+
+@pytest.mark.slow
+def test_lora_es_on_vllm_serves_mirrored_members_as_the_transformers_engine(tmp_path):
+    """LoRA-ES (--lora-r) on vLLM: a mirrored member is the trained adapter − σ·ε(s), served as a fresh
+    adapter; completions and merged updates equal the transformers engine's LoRA-ES."""
+    pytest.importorskip("peft", reason="install esft[lora] for LoRA-ES")
+    from test_vllm_lora_es import LORA, SIGMA
+
+    from esft.config import ESConfig
+    from esft.engines import build_engine
+    from esft.engines.population import generate_population
+    from tiny_model import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)
+    engine = build_engine(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **LORA))
+    try:
+        reference = build_engine(ESConfig(model=str(path), device="cpu", **LORA))
+        for iteration in range(2):
+            seeds = strategy.ask(strategy.ESState(0, iteration), 4, antithetic=True)
+            members = engine.generate_population(PROMPTS, seeds, SIGMA)
+            assert members == generate_population(reference, PROMPTS, seeds, SIGMA)
+            master = {name: tensor.clone() for name, tensor in reference.master.items()}
+            reference.perturb(seeds[1], SIGMA)
+            for index, name, param in reference.trainable:
+                assert torch.equal(param.detach(), torch.sub(master[name], draw_noise(
+                    "iid", seeds[0], index, param.shape), alpha=SIGMA)), name
+            assert reference.generate(PROMPTS) == members[1]
+            reference.restore()
+            assert members[0] != members[1]  # the pair's two members really differ
+            merged = strategy.merge_mirrored(seeds, [0.3, -0.2, 0.1, 0.05])
+            engine.update(*merged)
+            reference.update(*merged)
+            served = engine.master_state()
+            assert all(torch.equal(served[n], reference.master[n]) for n in served)
+    finally:
+        engine.close()
