@@ -37,14 +37,18 @@ EXPECTED_SHAPING = {
     "zscore": lambda r: (r - r.mean()) / (r.std() + 1e-8),
     "rank": None,  # checked through its properties below
     "raw": lambda r: r,
+    # the matrix below: prompt 1's column is the rewards (z-scored), prompt 2 is constant (0): averaged
+    "per_prompt": lambda r: (r - r.mean()) / (r.std() + 1e-8) / 2,
 }
 
 
 @pytest.mark.parametrize("shaping", sorted(strategy.REWARD_SHAPING))
 def test_every_reward_shaping(shaping):
+    """Every shaping takes (member rewards, members × prompts matrix); zscore, rank and raw use the rewards."""
     assert shaping in EXPECTED_SHAPING, "new shaping: add its expectation here"
     rewards = np.array([0.3, 1.1, -0.2, 0.3, 0.9])
-    shaped = strategy.REWARD_SHAPING[shaping](rewards)
+    per_prompt = np.stack([rewards, np.full(5, 0.5)], axis=1)  # members × prompts: a second, constant prompt
+    shaped = strategy.REWARD_SHAPING[shaping](rewards, per_prompt)
     # Order-preserving (we maximize: a higher reward never gets a lower weight), ties equal.
     for i in range(len(rewards)):
         for j in range(len(rewards)):
@@ -55,7 +59,7 @@ def test_every_reward_shaping(shaping):
         np.testing.assert_allclose(shaped, EXPECTED_SHAPING[shaping](rewards), rtol=0, atol=1e-12)
     else:
         np.testing.assert_allclose(shaped, [-0.125, 0.5, -0.5, -0.125, 0.25])
-    state, coefficients = strategy.tell(strategy.ESState(0, 4), rewards, alpha=0.01, shaping=shaping)
+    state, coefficients = strategy.tell(strategy.ESState(0, 4), rewards, alpha=0.01, shaping=shaping, per_prompt=per_prompt)
     assert state.iteration == 5
     np.testing.assert_allclose(coefficients, 0.01 / 5 * shaped, rtol=1e-12)
 

@@ -136,8 +136,9 @@ class RunFields:
     )
     reward_shaping: str = _in(
         "ES",
-        "Fitness shaping of member rewards: zscore (paper), rank (centered ranks) or raw. "
-        "Reward is maximized.",
+        "Fitness shaping of member rewards: zscore (paper), rank (centered ranks), raw, or per_prompt (z-score "
+        "each prompt's rewards over the members, then average per member: a prompt every member scores alike "
+        "counts 0; samples a reward function failed on are left out of their prompt). Reward is maximized.",
         default="zscore",
     )
     seed: int = _in("ES", "Run seed: member seeds and prompt batches derive from it and the iteration.", default=0)

@@ -14,7 +14,7 @@ from esft.trl_names import ES_EQUIVALENTS
 EMBEDDED_MODEL = "embedded"
 CHOICES = {
     "noise": ("iid", "correlated", "lowrank"),
-    "reward_shaping": ("zscore", "rank", "raw"),
+    "reward_shaping": ("zscore", "rank", "raw", "per_prompt"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),
     "engine": ("transformers", "vllm"),
@@ -164,7 +164,7 @@ def _check_lora(config) -> None:
 
 
 ES_ONLY = ("population_size", "sigma", "alpha", "batch_size", "noise", "rank", "population_batching", "reward_shaping",
-           "mini_batch_size", "engine", "executor")
+           "mini_batch_size", "engine", "executor", "antithetic", "sigma_schedule", "alpha_schedule")
 """Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
 GRPO_ONLY = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
              "loss_type", "scale_rewards", "epsilon", "num_iterations", "rollout_temperature", "max_grad_norm",

@@ -11,7 +11,7 @@ import numpy as np
 
 from esft.config_rules import split_list
 from esft.console import say
-from esft.rewards.runner import Failure, RewardError, Scores
+from esft.rewards.runner import Failure, RewardError, Scores, failing_everywhere
 from esft.tasks.base import TaskError
 
 
@@ -33,7 +33,7 @@ def stop_if_unshapeable(rewards: Sequence[float], shaping: str, batches: Sequenc
     `consequence()` writes the checkpoint and says how to go on."""
     values = np.asarray(rewards, dtype=np.float64)
     with np.errstate(all="ignore"):
-        spread = values.std() if shaping == "zscore" and np.all(np.isfinite(values)) else 0.0
+        spread = values.std() if shaping in ("zscore", "per_prompt") and np.all(np.isfinite(values)) else 0.0
     if np.all(np.isfinite(values)) and np.isfinite(spread):
         return
     largest: dict[str, float] = {}
@@ -60,3 +60,20 @@ def failure_summary(failure_totals: dict[str, dict[str, Any]]) -> dict[str, Any]
     if summary:
         summary["reward/failures_total"] = sum(summary.values())
     return summary
+
+
+def reward_matrix(batches: Sequence[Scores]) -> np.ndarray:
+    """The members × prompts matrix of an iteration's rewards (`batches`: one Scores per member, all
+    on the same prompts) that --reward-shaping per_prompt z-scores column by column. NaN marks an
+    entry left out of its prompt's column: a sample no function scored (None), or one a reward
+    function failed on (its value is the failure reward, not a score). A function that failed on
+    every sample of the iteration (the run goes on only under --reward-skip-failing) is not held
+    against any sample: it adds the same failure reward to every entry."""
+    everywhere = set(failing_everywhere(batches))
+    matrix = np.full((len(batches), max((len(scores.total) for scores in batches), default=0)), np.nan)
+    for row, scores in zip(matrix, batches):
+        failed = {i for name, samples in scores.failed_samples.items() if name not in everywhere for i in samples}
+        for i, value in enumerate(scores.total):
+            if value is not None and i not in failed:
+                row[i] = value
+    return matrix

@@ -9,14 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from esft.es import strategy
+from esft.es import schedules, strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.config import ConfigError, ESConfig, model_path
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
-from esft.reward_faults import failure_summary, skip_failing, stop_if_unshapeable
+from esft.reward_faults import failure_summary, reward_matrix, skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.logprobs import cpu_float32_copy
@@ -219,17 +219,20 @@ class ESTrainer:
         last: dict[str, float] = {}
         while self.state.iteration < args.iterations and not budget_spent(args, self._budget):
             started = time.perf_counter()
-            seeds = strategy.ask(self.state, args.population_size)
+            sigma, alpha = schedules.step_sizes(args, self.state.iteration)  # σ_t, α_t: --sigma/--alpha-schedule
+            seeds = strategy.ask(self.state, args.population_size, args.antithetic)
             self._tell_rewards()
-            members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration))
+            members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration), sigma)
             self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
             rewards = [member.reward for member in members]
             stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
                                 f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
-            state, coefficients = strategy.tell(self.state, rewards, args.alpha, args.reward_shaping)
+            state, coefficients = strategy.tell(self.state, rewards, alpha, args.reward_shaping,
+                                                reward_matrix([member.scores for member in members]))
             self._update(seeds, coefficients)
             self.state = state
-            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started))
+            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started)
+                                          | {"es/sigma": sigma, "es/alpha": alpha})
         return self._end(last, start)
 
     def _begin(self) -> int:
@@ -346,7 +349,7 @@ class ESTrainer:
 
     def _update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> None:
         try:
-            self.executor.update(seeds, coefficients)
+            self.executor.update(*strategy.merge_mirrored(seeds, coefficients))  # a ±σ pair: one seed
         except NonFiniteWeights as error:
             raise NonFiniteWeights(f"iteration {self.state.iteration + 1}: {error}; {self._stop_checkpoint()} "
                                    "with a smaller --alpha or --sigma") from None

@@ -8,6 +8,12 @@ seeded like `iid` (member seed + tensor index); each entry of ε then has unit v
 `lowrank`: they stay frozen. Embedding matrices are matrices: a tied embedding / LM head gets the
 same A·Bᵀ in both uses. Population batching (esft.engines.population) applies these same factors
 in the forward pass instead of to the weights.
+
+Mirrored members (--antithetic): a negative member seed s < 0 means the noise of seed ~s
+(esft.es.strategy.mirror), negated: draw_noise returns −ε(~s), lowrank_factors returns (−A, B) of ~s
+(so A·Bᵀ flips sign). Negation is exact in floating point, so θ + σ·ε(~s) is exactly θ − σ·ε(s). Every
+noise draw in esft goes through these two functions: engines, population batching, vLLM workers and
+adapters, Ray actors all handle mirrored members without knowing of them.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import math
 from collections.abc import Callable
 
 import torch
+
+from esft.es.strategy import mirror
 
 # (member seed, tensor index in named_parameters() order) -> torch.Generator seed
 NOISE_SCHEMES: dict[str, Callable[[int, int], int]] = {
@@ -43,14 +51,15 @@ def lowrank_factors(
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The float32 factors (A: shape[0] × rank, B: shape[1] × rank) of a matrix's low-rank noise
-    A·Bᵀ/√rank for one member."""
+    A·Bᵀ/√rank for one member (a mirrored member, seed < 0: −A and B of its partner)."""
     device = torch.device(device)
     if generator is None:
         generator = torch.Generator(device=device)
-    generator.manual_seed(NOISE_SCHEMES["lowrank"](member_seed, tensor_index))
+    mirrored = member_seed < 0
+    generator.manual_seed(NOISE_SCHEMES["lowrank"](mirror(member_seed) if mirrored else member_seed, tensor_index))
     a = torch.randn((shape[0], rank), generator=generator, dtype=torch.float32, device=device)
     b = torch.randn((shape[1], rank), generator=generator, dtype=torch.float32, device=device)
-    return a, b
+    return (a.neg_() if mirrored else a), b
 
 
 def draw_noise(
@@ -67,7 +76,8 @@ def draw_noise(
 
     Drawn in float32 on `device` (streams differ between CPU and CUDA generators, so results are
     reproducible per device type). Pass `generator`/`out` to reuse them in hot loops. Low-rank
-    schemes return the dense A·Bᵀ/√rank (zeros for tensors they leave frozen).
+    schemes return the dense A·Bᵀ/√rank (zeros for tensors they leave frozen). A negative
+    `member_seed` (a mirrored member) gets exactly the negated noise of seed ~member_seed.
     """
     device = torch.device(device)
     if generator is None:
@@ -77,6 +87,8 @@ def draw_noise(
             return torch.zeros(shape, dtype=torch.float32, device=device) if out is None else out.zero_()
         a, b = lowrank_factors(member_seed, tensor_index, shape, rank, device, generator)
         return torch.mm(a, b.T, out=out).mul_(1.0 / math.sqrt(rank))
+    if member_seed < 0:
+        return draw_noise(scheme, mirror(member_seed), tensor_index, shape, device, generator, out, rank).neg_()
     generator.manual_seed(NOISE_SCHEMES[scheme](member_seed, tensor_index))
     if out is None:
         return torch.randn(shape, generator=generator, dtype=torch.float32, device=device)

@@ -60,26 +60,30 @@ class LocalExecutor:
         self.engine = engine
         self.scorer = scorer
         self.sigma = sigma
+        """σ of evaluate_population calls that pass none (the trainer passes each iteration's σ_t)."""
         self.population_batching = population_batching
         self.overlap_rewards = overlap_rewards
         """Sequential path: score member i in a background thread while member i+1 generates (torch
         kernels release the GIL; sandboxed reward functions run in other processes)."""
 
-    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch) -> list[MemberResult]:
-        """Perturb → generate → restore → score, for each member, on the same prompt batch."""
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch,
+                            sigma: float | None = None) -> list[MemberResult]:
+        """Perturb (θ + σ·ε, `sigma` or else the executor's) → generate → restore → score, for each
+        member, on the same prompt batch."""
         rows, prompts = batch.rows, batch.prompts
+        sigma = self.sigma if sigma is None else float(sigma)
         if self.population_batching:
             from esft.engines.population import generate_population, members_per_call
 
             group = members_per_call(self.engine, len(member_seeds), prompts)
             if group > 1:  # else one member's prompts fill a call: the path below, weights in place, no copies
-                generations = generate_population(self.engine, prompts, member_seeds, self.sigma, group=group)
+                generations = generate_population(self.engine, prompts, member_seeds, sigma, group=group)
                 return [self._result(seed, generation, self.scorer(rows, generation.texts, generation.token_ids))
                         for seed, generation in zip(member_seeds, generations)]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
             pending = []
             for seed in member_seeds:
-                self.engine.perturb(seed, self.sigma)
+                self.engine.perturb(seed, sigma)
                 try:
                     generation = self.engine.generate(prompts)
                 finally:

@@ -64,10 +64,12 @@ class ESActor:
         """(pid, node ip): names the actor in errors; the test kills the pid."""
         return os.getpid(), ray.util.get_node_ip_address()
 
-    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None = None) -> list[MemberResult]:
+    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None = None,
+                 sigma: float | None = None) -> list[MemberResult]:
         """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
-        a time, or batched with --population-batching), on the iteration's prompt batch: rebuilt here
-        from the task's train set (esft.es.batches.prompt_batch) unless `rows` are given."""
+        a time, or batched with --population-batching), perturbed by `sigma` (the iteration's σ;
+        default --sigma), on the iteration's prompt batch: rebuilt here from the task's train set
+        (esft.es.batches.prompt_batch) unless `rows` are given."""
         if rows is not None:
             batch = PromptBatch(iteration, rows)
         else:
@@ -75,7 +77,7 @@ class ESActor:
                 self._batch = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
             batch = self._batch
         self.rewards.trainer_state = RewardTrainerState(iteration, self.args.iterations)  # TRL's trainer_state
-        return self._local.evaluate_population(seeds, batch)
+        return self._local.evaluate_population(seeds, batch, sigma)
 
     def population_batching_problem(self) -> str | None:
         """Why this actor's model cannot evaluate members batched (None: it can)."""

@@ -80,6 +80,8 @@ class Scores:
     failure_reward: float = 0.0
     failed: dict[str, int] = field(default_factory=dict)
     """Failed samples per function."""
+    failed_samples: dict[str, list[int]] = field(default_factory=dict)
+    """Per function, the indices of the samples it failed on (their value is the failure reward)."""
     first_failure: dict[str, Failure] = field(default_factory=dict)
     logged: dict[str, list[float]] = field(default_factory=dict)
     """Values reward functions passed to TRL's log_metric, by name (esft.rewards.conventions)."""
@@ -287,6 +289,7 @@ class RewardRunner:
             else:
                 scores.errors += len(errors)
             scores.failed[name] = len(errors)
+            scores.failed_samples[name] = sorted(errors)
             if failure is not None:
                 scores.first_failure[name] = failure
             scores.per_function[name] = cleaned
