@@ -226,7 +226,8 @@ class ESTrainer:
             rewards = [member.reward for member in members]
             stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
                                 f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
-            state, coefficients = strategy.tell(self.state, rewards, args.alpha, args.reward_shaping)
+            # adam: coefficients zᵢ/N make G the ES gradient estimate g, α its learning rate (esft.es.optimizers)
+            state, coefficients = strategy.tell(self.state, rewards, 1.0 if args.optimizer == "adam" else args.alpha, args.reward_shaping)
             self._update(seeds, coefficients)
             self.state = state
             last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started))
@@ -260,7 +261,7 @@ class ESTrainer:
         return start
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
-        load_master(checkpoint, self.engine)
+        load_master(checkpoint, self.engine, self.args.optimizer)
 
     def _end_iteration(self, row: dict[str, float]) -> tuple[dict[str, float], bool]:
         """After an update (self.state is the new iteration): the evaluation when due, the row logged,
@@ -346,7 +347,7 @@ class ESTrainer:
 
     def _update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> None:
         try:
-            self.executor.update(seeds, coefficients)
+            self.executor.update(seeds, coefficients, self.args.alpha)
         except NonFiniteWeights as error:
             raise NonFiniteWeights(f"iteration {self.state.iteration + 1}: {error}; {self._stop_checkpoint()} "
                                    "with a smaller --alpha or --sigma") from None

@@ -1,0 +1,111 @@
+"""--optimizer (issue 22): Adam / AdamW on the ES gradient estimate, sgd's weight decay, the paper's
+rule unchanged, the optimizer state in checkpoints (resume stays bitwise), Ray = local."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from esft.config import embedded_model_path
+from esft.engines.transformers_engine import TransformersEngine
+from esft.es import lowrank
+from esft.es.noise import draw_noise, perturbs
+from esft.es.optimizers import ESOptimizer
+
+SEEDS = [[11, 12, 13], [21, 22, 23], [31, 32, 33]]
+COEFFICIENTS = [[0.5, -0.25, 0.125], [-0.3, 0.6, 0.1], [0.2, 0.2, -0.7]]
+
+
+def engine_of(path, **kwargs) -> TransformersEngine:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return TransformersEngine(model, AutoTokenizer.from_pretrained(path), **kwargs)
+
+
+def es_gradient(engine, index, shape, seeds, coefficients) -> torch.Tensor:
+    """G = Σ cᵢ·εᵢ of one tensor, computed by hand from the noise definition."""
+    total = torch.zeros(shape)
+    for seed, coefficient in zip(seeds, coefficients):
+        total.add_(draw_noise(engine.noise, seed, index, shape, rank=engine.rank), alpha=coefficient)
+    return total
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_adam_steps_equal_torch_adam_fed_the_same_gradient(weight_decay):
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(7, 5, generator=generator)
+    ours, theirs = start.clone(), torch.nn.Parameter(start.clone())
+    kind = torch.optim.AdamW if weight_decay else torch.optim.Adam
+    reference = kind([theirs], lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay, maximize=True)
+    optimizer = ESOptimizer("adam", betas=(0.8, 0.99), eps=1e-6, weight_decay=weight_decay)
+    for _ in range(3):
+        gradient = torch.randn(7, 5, generator=generator) * 1e-3
+        theirs.grad = gradient.clone()
+        reference.step()
+        optimizer.step("w", ours, gradient.clone(), learning_rate=1e-2)
+        torch.testing.assert_close(ours, theirs.detach(), rtol=1e-7, atol=1e-7)
+    assert optimizer.state["w"].step == 3
+    # the moments are of the ascent gradient (torch's, under maximize, are their negatives)
+    torch.testing.assert_close(optimizer.state["w"].exp_avg, -reference.state[theirs]["exp_avg"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("noise", ["iid", "lowrank"])
+def test_engine_adam_update_is_torch_adamw_on_the_es_gradient(tiny_model_dir, noise):
+    """Through the engine: G of every tensor (low-rank: the dense matrix), then AdamW's step."""
+    options = dict(lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
+    engine = engine_of(tiny_model_dir, noise=noise, rank=2, optimizer=dict(
+        kind="adam", betas=options["betas"], eps=options["eps"], weight_decay=options["weight_decay"]))
+    stepped = [(index, name, param) for index, name, param in engine.trainable if perturbs(noise, param.shape)]
+    frozen = {name: engine.master[name].clone() for _, name, param in engine.trainable if not perturbs(noise, param.shape)}
+    params = {name: torch.nn.Parameter(engine.master[name].clone()) for _, name, _ in stepped}
+    reference = torch.optim.AdamW(list(params.values()), maximize=True, **options)
+    for seeds, coefficients in zip(SEEDS, COEFFICIENTS):
+        for index, name, param in stepped:
+            params[name].grad = es_gradient(engine, index, param.shape, seeds, coefficients)
+        reference.step()
+        engine.update(seeds, coefficients, learning_rate=options["lr"])
+        for _, name, param in stepped:
+            torch.testing.assert_close(engine.master[name], params[name].detach(), rtol=1e-6, atol=1e-7)
+            assert torch.equal(param.detach(), engine.master[name])  # θ ← master
+    for name, before in frozen.items():  # low-rank leaves norms and biases alone, and keeps no state for them
+        assert torch.equal(engine.master[name], before)
+    state = engine.optimizer_state()
+    assert {key.partition(".")[2] for key in state} == set(params)
+    assert all(int(state[f"step.{name}"]) == 3 for name in params)
+
+
+@pytest.mark.parametrize("noise", ["iid", "lowrank"])
+def test_sgd_is_the_paper_rule_bitwise_and_its_weight_decay_decoupled(tiny_model_dir, noise):
+    plain = engine_of(tiny_model_dir, noise=noise, rank=2)
+    decayed = engine_of(tiny_model_dir, noise=noise, rank=2, optimizer=dict(kind="sgd", weight_decay=0.5))
+    expected = {name: tensor.clone() for name, tensor in plain.master.items()}
+    for seeds, coefficients in zip(SEEDS, COEFFICIENTS):
+        plain.update(seeds, coefficients, learning_rate=0.01)  # sgd without decay: learning_rate not applied
+        decayed.update(seeds, coefficients, learning_rate=0.01)
+        for index, name, param in plain.trainable:
+            if not perturbs(noise, param.shape):
+                continue
+            if noise == "lowrank":  # the in-place addmm of the paper path, unchanged
+                lowrank.accumulate_update(expected[name], index, seeds, coefficients, 2)
+            else:
+                expected[name].add_(es_gradient(plain, index, param.shape, seeds, coefficients))
+    for index, name, param in plain.trainable:
+        assert torch.equal(plain.master[name], expected[name]), name
+    assert plain.optimizer_state() == {} and decayed.optimizer_state() == {}
+    # decay: θ ← θ·(1 − lr·wd) before each += G (here three times by 0.995)
+    fresh = engine_of(tiny_model_dir, noise=noise, rank=2)
+    name = next(name for _, name, param in fresh.trainable if perturbs(noise, param.shape))
+    manual = fresh.master[name].clone()
+    index = next(i for i, n, _ in fresh.trainable if n == name)
+    for seeds, coefficients in zip(SEEDS, COEFFICIENTS):
+        gradient = (lowrank.dense_update(torch.empty(manual.shape), index, seeds, coefficients, 2) if noise == "lowrank"
+                    else es_gradient(fresh, index, manual.shape, seeds, coefficients))
+        manual.mul_(1 - 0.01 * 0.5).add_(gradient)
+    assert torch.equal(decayed.master[name], manual)
+    assert not math.isclose(float(decayed.master[name].norm()), float(plain.master[name].norm()), rel_tol=1e-3)
