@@ -109,3 +109,53 @@ def test_sgd_is_the_paper_rule_bitwise_and_its_weight_decay_decoupled(tiny_model
         manual.mul_(1 - 0.01 * 0.5).add_(gradient)
     assert torch.equal(decayed.master[name], manual)
     assert not math.isclose(float(decayed.master[name].norm()), float(plain.master[name].norm()), rel_tol=1e-3)
+
+
+# ------------------------------------------------------------------ the CLI: checkpoints and resume
+RUN = ["--model", "embedded", "--population-size", "4", "--batch-size", "4", "--eval-size", "4", "--max-tokens", "40",
+       "--train-size", "20", "--save-every", "2", "--no-progress", "--output-dir", "runs"]
+ADAM = ["--optimizer", "adam", "--alpha", "1e-4", "--weight-decay", "0.01"]
+
+
+def esft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    return subprocess.run([sys.executable, "-m", "esft.cli", "train", *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def safetensors_bytes(directory: Path) -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted(directory.glob("*.safetensors"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", [["--noise", "iid"], [], ["--lora-r", "2"]], ids=["iid", "lowrank", "lora"])
+def test_adam_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, variant):
+    from safetensors.torch import load_file
+
+    straight = esft(*RUN, *ADAM, *variant, "--iterations", "4", "--run-name", "straight", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    first = esft(*RUN, *ADAM, *variant, "--iterations", "2", "--run-name", "split", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    resumed = esft("--resume", "runs/split", "--iterations", "4", "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr and "checkpoint-2" in resumed.stderr
+    runs = tmp_path / "runs"
+    state = load_file(str(runs / "split" / "checkpoint-2" / "optimizer.safetensors"))
+    steps = {int(tensor) for key, tensor in state.items() if key.startswith("step.")}
+    assert steps == {2} and any(key.startswith("exp_avg_sq.") for key in state)
+    final = safetensors_bytes(runs / "straight" / "final")
+    assert final and final == safetensors_bytes(runs / "split" / "final")
+    assert (safetensors_bytes(runs / "straight" / "checkpoint-4")["optimizer.safetensors"]
+            == safetensors_bytes(runs / "split" / "checkpoint-4")["optimizer.safetensors"])
+    assert safetensors_bytes(runs / "straight" / "checkpoint-2") != safetensors_bytes(runs / "straight" / "checkpoint-4")
+
+
+def test_resuming_an_sgd_checkpoint_with_adam_is_one_clear_error(tmp_path):
+    tiny = ["--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "2"]
+    sgd = esft(*RUN, *tiny, "--iterations", "1", "--save-every", "1", "--run-name", "sgd", cwd=tmp_path)
+    assert sgd.returncode == 0, sgd.stderr
+    resumed = esft("--resume", "runs/sgd", "--iterations", "2", "--optimizer", "adam", "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 2, resumed.stderr
+    lines = [line for line in resumed.stderr.splitlines() if line.startswith("esft: error")]
+    assert len(lines) == 1 and "no optimizer state" in lines[0] and "--optimizer sgd" in lines[0], resumed.stderr
+    assert "Traceback" not in resumed.stderr
