@@ -159,3 +159,20 @@ def test_resuming_an_sgd_checkpoint_with_adam_is_one_clear_error(tmp_path):
     lines = [line for line in resumed.stderr.splitlines() if line.startswith("esft: error")]
     assert len(lines) == 1 and "no optimizer state" in lines[0] and "--optimizer sgd" in lines[0], resumed.stderr
     assert "Traceback" not in resumed.stderr
+
+
+# ------------------------------------------------------------------ TRL's names, --algorithm grpo
+def test_trl_adam_names_point_to_the_esft_flags_and_grpo_gets_them():
+    from esft.config import ConfigError, ESConfig, UnknownSetting
+    from esft.grpo.trl_trainer import grpo_config
+
+    for name, flag in (("adam_beta1", "--adam-betas"), ("adam_beta2", "--adam-betas"), ("adam_epsilon", "--adam-eps")):
+        with pytest.raises(UnknownSetting, match=f"TRL's name; did you mean {flag}"):
+            ESConfig(**{name: 0.9})
+    with pytest.raises(ConfigError, match="--optimizer: is an ES setting.*TRL's AdamW"):
+        ESConfig(algorithm="grpo", optimizer="adam")
+    config = grpo_config(ESConfig(algorithm="grpo", weight_decay=0.1, adam_betas="0.8,0.95", adam_eps=1e-6, device="cpu"),
+                         Path("unused"))
+    assert (config.adam_beta1, config.adam_beta2, config.adam_epsilon, config.weight_decay) == (0.8, 0.95, 1e-6, 0.1)
+    default = grpo_config(ESConfig(algorithm="grpo", device="cpu"), Path("unused"))  # TRL's own defaults, unchanged
+    assert (default.adam_beta1, default.adam_beta2, default.adam_epsilon, default.weight_decay) == (0.9, 0.999, 1e-8, 0.0)
