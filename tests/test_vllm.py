@@ -154,7 +154,7 @@ def test_update_is_the_transformers_float32_master_bit_for_bit(vllm_engine, vllm
 @pytest.mark.parametrize("noise", ["iid", "lowrank"])
 def test_adam_update_and_its_state_are_the_transformers_engines(vllm_engine, vllm_model_dir, noise):
     """--optimizer adam on vLLM (issue 22): the workers hold adam's state beside their master, block by
-    block of the fused parameters; master and state equal the transformers engine's, and a state saved
+    block of the fused parameters; master and state equal the transformers engine's bit for bit, and a state saved
     and loaded again continues the same way."""
     spec = dict(kind="adam", betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
     trainable = r"mlp\.|q_proj|norm"
@@ -169,7 +169,7 @@ def test_adam_update_and_its_state_are_the_transformers_engines(vllm_engine, vll
                 engine.update(seeds, [0.25, -0.5, 0.1, 0.4], learning_rate=1e-3)
             ours = vllm_engine.master_state()
             for name in names:
-                torch.testing.assert_close(ours[name], reference.master[name], rtol=0, atol=1e-7)
+                assert torch.equal(ours[name], reference.master[name]), name
 
         for iteration in range(2):
             step(iteration)
@@ -177,7 +177,7 @@ def test_adam_update_and_its_state_are_the_transformers_engines(vllm_engine, vll
         stepped = {key for key in expected if key.partition(".")[2] in names}
         assert set(state) == stepped and any(key.startswith("exp_avg_sq.") for key in state)
         for key in state:
-            torch.testing.assert_close(state[key], expected[key], rtol=0, atol=1e-9)
+            assert torch.equal(state[key], expected[key]), key
         assert {int(state[key]) for key in state if key.startswith("step.")} == {2}
         vllm_engine.configure(trainable=trainable, noise=noise)  # fresh optimizer state...
         assert vllm_engine.optimizer_state() == {}
