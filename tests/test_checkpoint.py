@@ -26,6 +26,7 @@ from esft.runs.checkpoint import (
     list_checkpoints,
     prune_checkpoints,
     save_checkpoint,
+    verify,
 )
 from esft.cli import main
 from esft.config import ESConfig
@@ -247,10 +248,14 @@ def test_save_checkpoint_is_all_or_nothing(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4"]
 
     adam = {"exp_avg.w": torch.full((2,), 0.5), "exp_avg_sq.w": torch.ones(2), "step.w": torch.tensor(3)}
-    save_checkpoint(_Engine(optimizer=adam), old, {"iteration": 4}, save_master=False)  # --optimizer adam's state
+    save_checkpoint(_Engine(optimizer=adam), old, {"iteration": 4, "config": {}}, save_master=False)  # --optimizer adam
     state = json.loads((old / STATE_FILE).read_text())
     assert sorted(state["files"]) == ["model.safetensors", OPTIMIZER_FILE]  # covered by the digests
     assert all(torch.equal(load_file(str(old / OPTIMIZER_FILE))[k], v) for k, v in adam.items())
+    assert not (old / "optimizer.safetensors").exists()  # not beside the weights: vLLM would load it as weights
+    assert OPTIMIZER_FILE not in str(verify(old))  # (the fake model file is what it objects to)
+    (old / OPTIMIZER_FILE).write_bytes(b"not what was written")
+    assert OPTIMIZER_FILE in verify(old) and "digest" in verify(old)  # a damaged state is never resumed from
 
 
 def test_save_total_limit_prunes_oldest_checkpoints(lively_model_dir, tmp_path):

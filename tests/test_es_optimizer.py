@@ -140,13 +140,14 @@ def test_adam_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, variant)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stderr and "checkpoint-2" in resumed.stderr
     runs = tmp_path / "runs"
-    state = load_file(str(runs / "split" / "checkpoint-2" / "optimizer.safetensors"))
+    state = load_file(str(runs / "split" / "checkpoint-2" / "optimizer" / "optimizer.safetensors"))
     steps = {int(tensor) for key, tensor in state.items() if key.startswith("step.")}
     assert steps == {2} and any(key.startswith("exp_avg_sq.") for key in state)
     final = safetensors_bytes(runs / "straight" / "final")
+    assert not any(name.startswith("optimizer") for name in final)  # vLLM loads every top-level *.safetensors
     assert final and final == safetensors_bytes(runs / "split" / "final")
-    assert (safetensors_bytes(runs / "straight" / "checkpoint-4")["optimizer.safetensors"]
-            == safetensors_bytes(runs / "split" / "checkpoint-4")["optimizer.safetensors"])
+    assert (safetensors_bytes(runs / "straight" / "checkpoint-4" / "optimizer")
+            == safetensors_bytes(runs / "split" / "checkpoint-4" / "optimizer"))
     assert safetensors_bytes(runs / "straight" / "checkpoint-2") != safetensors_bytes(runs / "straight" / "checkpoint-4")
 
 

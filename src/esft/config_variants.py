@@ -27,7 +27,7 @@ class VariantFields(RunFields):
         "ES", "How the ES gradient estimate g = (1/N)·Σ zᵢ·εᵢ moves the weights: sgd (the paper: θ += α·g) or adam "
         "(torch.optim.Adam's step on g with learning rate α, maximizing: θ += α·m̂/(√v̂ + --adam-eps); float32 moments "
         "beside the master, tensor by tensor: 8 extra bytes per trainable parameter, saved in checkpoints as "
-        "optimizer.safetensors). Typical --alpha for adam is far below the paper's (every weight moves by about α per "
+        "optimizer/optimizer.safetensors). Typical --alpha for adam is far below the paper's (every weight moves by about α per "
         "step). With --noise lowrank adam steps on each matrix's dense update. Not for --algorithm grpo (TRL's AdamW).",
         default="sgd")
     adam_betas: str = _in("ES", "Adam's β₁,β₂ (two numbers in [0, 1), comma-separated); with --algorithm grpo, TRL's "
