@@ -177,3 +177,30 @@ def test_trl_adam_names_point_to_the_esft_flags_and_grpo_gets_them():
     assert (config.adam_beta1, config.adam_beta2, config.adam_epsilon, config.weight_decay) == (0.8, 0.95, 1e-6, 0.1)
     default = grpo_config(ESConfig(algorithm="grpo", device="cpu"), Path("unused"))  # TRL's own defaults, unchanged
     assert (default.adam_beta1, default.adam_beta2, default.adam_epsilon, default.weight_decay) == (0.9, 0.999, 1e-8, 0.0)
+
+
+# ------------------------------------------------------------------ the trainer's side of the contract
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_the_trainer_gives_adam_the_es_gradient_and_alpha_as_its_learning_rate(tiny_model_dir, tmp_path, optimizer):
+    """sgd: coefficients α·zᵢ/N as in the paper (Σc² = α²/N under z-scores), learning rate α for the decay;
+    adam: coefficients zᵢ/N, so G = g = (1/N)·Σ zᵢεᵢ (Σc² = 1/N), and α as Adam's learning rate."""
+    from toy_task import byte_reward, toy_rows
+
+    from esft.config import ESConfig
+    from esft.trainer import ESTrainer
+
+    args = ESConfig(model=str(tiny_model_dir), population_size=6, batch_size=4, max_tokens=8, sigma=0.05, alpha=0.01,
+                    iterations=2, save_every=0, eval_batch_size=4, device="cpu", logging="none", progress=False,
+                    optimizer=optimizer, output_dir=str(tmp_path), run_name="run")
+    trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=[byte_reward], args=args, train_dataset=toy_rows(20),
+                        eval_dataset=toy_rows(4, start=1000))
+    calls, update = [], trainer.executor.update
+    trainer.executor.update = lambda seeds, coefficients, learning_rate=1.0: (  # the real update, watched
+        calls.append((list(coefficients), learning_rate)), update(seeds, coefficients, learning_rate))
+    trainer.train()
+    assert len(calls) == 2
+    scale = 1.0 if optimizer == "adam" else args.alpha
+    for coefficients, learning_rate in calls:
+        assert learning_rate == args.alpha
+        assert sum(c * c for c in coefficients) * len(coefficients) == pytest.approx(scale ** 2, rel=1e-6)
+    assert (trainer.engine.optimizer_state() != {}) == (optimizer == "adam")
