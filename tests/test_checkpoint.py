@@ -21,10 +21,12 @@ from safetensors.torch import load_file
 
 from esft.runs.checkpoint import (
     MASTER_FILE,
+    OPTIMIZER_FILE,
     STATE_FILE,
     list_checkpoints,
     prune_checkpoints,
     save_checkpoint,
+    verify,
 )
 from esft.cli import main
 from esft.config import ESConfig
@@ -208,8 +210,9 @@ def test_resume_point_is_the_newest_complete_checkpoint(tmp_path):
 class _Engine:
     """Just enough engine for save_checkpoint; optionally fails half-way through saving."""
 
-    def __init__(self, fail: bool = False):
+    def __init__(self, fail: bool = False, optimizer: dict | None = None):
         self.fail = fail
+        self.optimizer = optimizer or {}
 
     def save_pretrained(self, path: Path) -> None:
         (Path(path) / "model.safetensors").write_bytes(b"new weights")
@@ -218,6 +221,9 @@ class _Engine:
 
     def master_state(self) -> dict[str, torch.Tensor]:
         return {"w": torch.ones(2)}
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        return self.optimizer
 
 
 def test_save_checkpoint_is_all_or_nothing(tmp_path):
@@ -240,6 +246,16 @@ def test_save_checkpoint_is_all_or_nothing(tmp_path):
     assert (old / "model.safetensors").read_bytes() == b"new weights"
     assert torch.equal(load_file(str(old / MASTER_FILE))["w"], torch.ones(2))
     assert sorted(p.name for p in run.iterdir()) == ["checkpoint-4"]
+
+    adam = {"exp_avg.w": torch.full((2,), 0.5), "exp_avg_sq.w": torch.ones(2), "step.w": torch.tensor(3)}
+    save_checkpoint(_Engine(optimizer=adam), old, {"iteration": 4, "config": {}}, save_master=False)  # --optimizer adam
+    state = json.loads((old / STATE_FILE).read_text())
+    assert sorted(state["files"]) == ["model.safetensors", OPTIMIZER_FILE]  # covered by the digests
+    assert all(torch.equal(load_file(str(old / OPTIMIZER_FILE))[k], v) for k, v in adam.items())
+    assert not (old / "optimizer.safetensors").exists()  # not beside the weights: vLLM would load it as weights
+    assert OPTIMIZER_FILE not in str(verify(old))  # (the fake model file is what it objects to)
+    (old / OPTIMIZER_FILE).write_bytes(b"not what was written")
+    assert OPTIMIZER_FILE in verify(old) and "digest" in verify(old)  # a damaged state is never resumed from
 
 
 def test_save_total_limit_prunes_oldest_checkpoints(lively_model_dir, tmp_path):

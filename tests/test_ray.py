@@ -233,3 +233,40 @@ def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
         assert all(torch.equal(master[n], local.engine.master[n]) for n in master)
     finally:
         executor.close()
+
+
+ADAM = dict(kind="adam", betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+@pytest.mark.parametrize("sync", [pytest.param("replay", marks=pytest.mark.slow), "copy"])
+def test_adam_on_ray_matches_local_also_after_an_actor_is_replaced(ray_cluster, tiny_model_dir, sync):
+    """--optimizer adam (issue 22): every actor holds the same adam state and takes the same step; a
+    replacement replays the logged updates (with their learning rates) or copies a live actor's
+    weights AND optimizer state, so the next update still agrees with the local executor's."""
+    args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, population_batching=False, optimizer="adam",
+                    weight_decay=0.01, alpha=1e-3, **SETTINGS)
+    task = toy_task()
+    executor = RayExecutor(args, task, str(tiny_model_dir))
+    local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12, optimizer=ADAM),
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+    executor.replay_limit = 8 if sync == "replay" else 0
+    try:
+        for iteration in range(3):
+            if iteration == 2:
+                pid = executor.slots[1].identity[0]
+                os.kill(pid, signal.SIGKILL)
+            seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+            rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
+            ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
+            theirs = [m.reward for m in local.evaluate_population(seeds, rows)]
+            assert ours == theirs
+            _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), theirs, 1.0)
+            executor.update(seeds, coefficients, args.alpha)
+            local.update(seeds, coefficients, args.alpha)
+            assert executor.checksum() == local.engine.checksum()
+        assert executor.slots[1].identity[0] != pid and any("replaced the dead actor" in e for e in executor.events)
+        state, expected = executor.engine.optimizer_state(), local.engine.optimizer_state()
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+        assert {int(state[k]) for k in state if k.startswith("step.")} == {3}
+    finally:
+        executor.close()

@@ -151,6 +151,42 @@ def test_update_is_the_transformers_float32_master_bit_for_bit(vllm_engine, vllm
             assert torch.equal(tensor, untouched[name]), name
 
 
+@pytest.mark.parametrize("noise", ["iid", "lowrank"])
+def test_adam_update_and_its_state_are_the_transformers_engines(vllm_engine, vllm_model_dir, noise):
+    """--optimizer adam on vLLM (issue 22): the workers hold adam's state beside their master, block by
+    block of the fused parameters; master and state equal the transformers engine's bit for bit, and a state saved
+    and loaded again continues the same way."""
+    spec = dict(kind="adam", betas=(0.9, 0.99), eps=1e-8, weight_decay=0.01)
+    trainable = r"mlp\.|q_proj|norm"
+    vllm_engine.configure(trainable=trainable, noise=noise, optimizer=spec)
+    try:
+        reference = hf_engine(vllm_model_dir, trainable=trainable, noise=noise, rank=2, optimizer=spec)
+        names = [name for _, name, _ in vllm_engine.trainable]
+
+        def step(iteration):
+            seeds = strategy.ask(strategy.ESState(3, iteration), 4)
+            for engine in (vllm_engine, reference):
+                engine.update(seeds, [0.25, -0.5, 0.1, 0.4], learning_rate=1e-3)
+            ours = vllm_engine.master_state()
+            for name in names:
+                assert torch.equal(ours[name], reference.master[name]), name
+
+        for iteration in range(2):
+            step(iteration)
+        state, expected = vllm_engine.optimizer_state(), reference.optimizer_state()
+        stepped = {key for key in expected if key.partition(".")[2] in names}
+        assert set(state) == stepped and any(key.startswith("exp_avg_sq.") for key in state)
+        for key in state:
+            assert torch.equal(state[key], expected[key]), key
+        assert {int(state[key]) for key in state if key.startswith("step.")} == {2}
+        vllm_engine.configure(trainable=trainable, noise=noise)  # fresh optimizer state...
+        assert vllm_engine.optimizer_state() == {}
+        vllm_engine.load_optimizer_state(state)  # ...then the saved one: the run goes on as before
+        step(2)
+    finally:
+        vllm_engine.configure(trainable=None, noise="iid", optimizer={})
+
+
 def test_same_seed_same_rewards_and_weights_as_transformers(vllm_engine, vllm_model_dir):
     """float32 on CPU: both engines pick the same greedy tokens here, so rewards, updates and
     weights agree exactly (see README: they can differ where two logits tie to ~1e-6)."""

@@ -74,3 +74,32 @@ def test_lora_es_on_vllm_matches_transformers_and_exports_a_peft_adapter(tmp_pat
         assert TransformersEngine.from_pretrained(str(merged), device="cpu", max_tokens=MAX_TOKENS).generate(PROMPTS) == served
     finally:
         engine.close()
+
+
+@pytest.mark.slow
+def test_lora_es_on_vllm_with_adam_matches_transformers(tmp_path):
+    """--optimizer adam with LoRA-ES on vLLM (issue 22): the worker's adam state of the adapter tensors
+    and the adapter master equal the transformers engine's; a loaded state continues the same way."""
+    path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                            num_key_value_heads=1)
+    adam = dict(optimizer="adam", adam_betas="0.8,0.99", weight_decay=0.1, **LORA)
+    engine = build_engine(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **adam))
+    try:
+        reference = build_engine(ESConfig(model=str(path), device="cpu", **adam))
+        for iteration in range(3):
+            if iteration == 2:  # a resume: a fresh adapter and state, then the saved ones
+                saved, weights = engine.optimizer_state(), engine.master_state()
+                engine.configure(noise="iid")
+                assert engine.optimizer_state() == {}
+                engine.load_master_state(weights)
+                engine.load_optimizer_state(saved)
+            seeds = strategy.ask(strategy.ESState(0, iteration), 4)
+            engine.update(seeds, [0.3, -0.2, 0.1, 0.05], learning_rate=1e-2)
+            reference.update(seeds, [0.3, -0.2, 0.1, 0.05], learning_rate=1e-2)
+            master = engine.master_state()
+            assert all(torch.equal(master[n], reference.master[n]) for n in master)
+        state, expected = engine.optimizer_state(), reference.optimizer_state()
+        assert state.keys() == expected.keys() and all(torch.equal(state[k], expected[k]) for k in state)
+        assert {int(state[k]) for k in state if k.startswith("step.")} == {3}
+    finally:
+        engine.close()

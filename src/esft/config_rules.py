@@ -164,7 +164,7 @@ def _check_lora(config) -> None:
 
 
 ES_ONLY = ("population_size", "sigma", "alpha", "batch_size", "noise", "rank", "population_batching", "reward_shaping",
-           "mini_batch_size", "engine", "executor", "antithetic", "sigma_schedule", "alpha_schedule")
+           "mini_batch_size", "engine", "executor", "antithetic", "sigma_schedule", "alpha_schedule", "optimizer")
 """Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
 GRPO_ONLY = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
              "loss_type", "scale_rewards", "epsilon", "num_iterations", "rollout_temperature", "max_grad_norm",
@@ -182,6 +182,8 @@ def _check_algorithm(config) -> None:
                if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name])]
     if changed and config.algorithm == "grpo":
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
+        if changed[0] == "optimizer":
+            hint = "; GRPO always steps with TRL's AdamW, which --adam-betas, --adam-eps and --weight-decay set"
         raise ConfigError(changed[0], f"is an ES setting, which --algorithm grpo does not use{hint}; drop it")
     if changed:
         instead = f"; in an ES run, did you mean {ES_EQUIVALENTS[changed[0]]}?" if changed[0] in ES_EQUIVALENTS else ""

@@ -25,14 +25,18 @@ class VariantFields(RunFields):
         default=False)
     optimizer: str = _in(
         "ES", "How the ES gradient estimate g = (1/N)·Σ zᵢ·εᵢ moves the weights: sgd (the paper: θ += α·g) or adam "
-        "(θ += α·m̂/(√v̂ + --adam-eps), float32 moments beside the master: 8 extra bytes per trainable parameter, "
-        "saved in checkpoints). Typical --alpha for adam is far below the paper's (every weight moves by about "
-        "α per step).", default="sgd")
-    adam_betas: str = _in("ES", "Adam's β₁,β₂ (two numbers in [0, 1), comma-separated).", default="0.9,0.999")
-    adam_eps: float = _in("ES", "Adam's ε, added to √v̂.", default=1e-8)
+        "(torch.optim.Adam's step on g with learning rate α, maximizing: θ += α·m̂/(√v̂ + --adam-eps); float32 moments "
+        "beside the master, tensor by tensor: 8 extra bytes per trainable parameter, saved in checkpoints as "
+        "optimizer/optimizer.safetensors). Typical --alpha for adam is far below the paper's (every weight moves by about α per "
+        "step). With --noise lowrank adam steps on each matrix's dense update. Not for --algorithm grpo (TRL's AdamW).",
+        default="sgd")
+    adam_betas: str = _in("ES", "Adam's β₁,β₂ (two numbers in [0, 1), comma-separated); with --algorithm grpo, TRL's "
+                          "adam_beta1, adam_beta2.", default="0.9,0.999")
+    adam_eps: float = _in("ES", "Adam's ε, added to √v̂; with --algorithm grpo, TRL's adam_epsilon.", default=1e-8)
     weight_decay: float = _in(
-        "ES", "Decoupled weight decay (AdamW-style): θ ← θ·(1 − α·wd) before each step, with either optimizer. "
-        "0: none (the paper).", default=0.0)
+        "ES", "Decoupled weight decay (AdamW-style): θ ← θ·(1 − α·wd) before each step, with either optimizer (sgd: "
+        "then θ += α·g; adam: torch.optim.AdamW's step). 0: none (the paper). With --algorithm grpo, TRL's "
+        "weight_decay.", default=0.0)
     sigma_schedule: str = _in(
         "ES", "σ per iteration: constant, or linear / cosine from --sigma down to a final fraction of it "
         "(e.g. cosine:0.1; default fraction 0.1), over --iterations. Logged as es/sigma.", default="constant")

@@ -227,9 +227,10 @@ class ESTrainer:
             rewards = [member.reward for member in members]
             stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
                                 f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
-            state, coefficients = strategy.tell(self.state, rewards, alpha, args.reward_shaping,
-                                                reward_matrix([member.scores for member in members]))
-            self._update(seeds, coefficients)
+            # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers)
+            state, coefficients = strategy.tell(self.state, rewards, 1.0 if args.optimizer == "adam" else alpha,
+                                                args.reward_shaping, reward_matrix([member.scores for member in members]))
+            self._update(seeds, coefficients, alpha)
             self.state = state
             last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started)
                                           | {"es/sigma": sigma, "es/alpha": alpha})
@@ -263,7 +264,7 @@ class ESTrainer:
         return start
 
     def _load_checkpoint(self, checkpoint: Path) -> None:
-        load_master(checkpoint, self.engine)
+        load_master(checkpoint, self.engine, self.args.optimizer)
 
     def _end_iteration(self, row: dict[str, float]) -> tuple[dict[str, float], bool]:
         """After an update (self.state is the new iteration): the evaluation when due, the row logged,
@@ -347,9 +348,9 @@ class ESTrainer:
             consequence = self._stop_checkpoint(what) if iteration else "nothing was trained; fix it and run again"
             raise RewardError(error.function, error.failure, error.when, consequence) from None
 
-    def _update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+    def _update(self, seeds: Sequence[int], coefficients: Sequence[float], alpha: float) -> None:
         try:
-            self.executor.update(*strategy.merge_mirrored(seeds, coefficients))  # a ±σ pair: one seed
+            self.executor.update(*strategy.merge_mirrored(seeds, coefficients), alpha)  # a ±σ pair: one seed
         except NonFiniteWeights as error:
             raise NonFiniteWeights(f"iteration {self.state.iteration + 1}: {error}; {self._stop_checkpoint()} "
                                    "with a smaller --alpha or --sigma") from None

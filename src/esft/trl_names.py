@@ -28,6 +28,9 @@ RENAMED = {
     "dataset_train_split": "--train-data (a DatasetDict trains on its 'train' split)",
     "num_completions_to_print": "nothing: per-sample completions are in <run>/eval/iteration-<N>/<split>.jsonl",
     "logging_steps": "nothing: every iteration is logged (metrics.jsonl)",
+    "adam_beta1": "--adam-betas B1,B2 (both betas in one flag, e.g. 0.9,0.999)",
+    "adam_beta2": "--adam-betas B1,B2 (both betas in one flag, e.g. 0.9,0.999)",
+    "adam_epsilon": "--adam-eps",
 }
 """TRL/transformers name -> what esft uses instead."""
 

@@ -34,7 +34,10 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
 
     if isinstance(model, Engine):
         return model
-    options = dict(trainable=args.trainable, noise=args.noise, max_tokens=args.max_tokens, mini_batch_size=args.mini_batch_size)
+    from esft.es.optimizers import optimizer_spec
+
+    options = dict(trainable=args.trainable, noise=args.noise, max_tokens=args.max_tokens, mini_batch_size=args.mini_batch_size,
+                   optimizer=optimizer_spec(args))
     if model is not None and not isinstance(model, str):
         if args.engine != "transformers":
             raise ConfigError("engine", f"{args.engine} loads the model itself: pass a model name or directory, not a loaded model")

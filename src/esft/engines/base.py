@@ -73,6 +73,17 @@ def check_coefficients(coefficients: Sequence[float]) -> None:
         raise NonFiniteWeights(f"an update coefficient of {largest:g} is not a finite float32 (weights unchanged)")
 
 
+def check_optimizer_state(state: dict[str, Any], shapes: dict[str, Any]) -> None:
+    """ValueError unless every tensor of an optimizer state (exp_avg.<name>, exp_avg_sq.<name>, step.<name>:
+    esft.es.optimizers) belongs to a trainable tensor of `shapes` ({name: shape}) and has its shape."""
+    for key, tensor in state.items():
+        kind, _, name = key.partition(".")
+        if name not in shapes:
+            raise ValueError(f"optimizer state for {name!r}, which is not a trainable tensor of this model")
+        if kind != "step" and tuple(tensor.shape) != tuple(shapes[name]):
+            raise ValueError(f"optimizer state {key} has shape {tuple(tensor.shape)}, the tensor {tuple(shapes[name])}")
+
+
 def generation_from_tokens(rows: Sequence[Sequence[int]], eos_token_ids: Sequence[int], tokenizer) -> Generation:
     """Generated token rows cut after their first EOS (padding dropped) and decoded without
     special tokens: the one place every engine turns tokens into completions."""
@@ -105,10 +116,19 @@ class Engine(Protocol):
     def restore(self) -> None:
         """θ ← master, bit-exact in every dtype (a copy, never a subtraction)."""
 
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]), accumulated in float32 per tensor,
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
+        """Per trainable tensor G = Σᵢ coefficients[i]·ε(member_seeds[i]), accumulated in float32; the
+        engine's optimizer (--optimizer, esft.es.optimizers) moves the master by it: sgd master += G
+        (`learning_rate` only scales --weight-decay), adam its step on g = G with lr = `learning_rate`;
         then θ ← master. If the result would not be finite, raise NonFiniteWeights and keep the
         weights from before the call."""
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's state (adam: exp_avg.<name>, exp_avg_sq.<name>, step.<name>), Hugging Face
+        names and shapes, on CPU; {} for sgd (stateless)."""
+
+    def load_optimizer_state(self, state: dict[str, Any]) -> None:
+        """Set the optimizer's state from optimizer_state()'s tensors (ValueError if they do not fit)."""
 
     def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None,
                  sampling: Sampling | None = None) -> Generation:

@@ -83,9 +83,16 @@ class TrainedModelEngine:
         """Not available (nothing is ever perturbed)."""
         raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo.baseline), not by ES")
 
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
         """Not available: updates are the gradient trainer's."""
         raise NotImplementedError("a TrainedModelEngine is trained by gradient steps (esft.grpo.baseline), not by ES")
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """Nothing: the gradient trainer keeps its own optimizer (TRL's, saved by it)."""
+        return {}
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Nothing to load (optimizer_state)."""
 
     def checksum(self) -> str:
         """A digest of the trainable parameters (as float32): equal digests mean identical weights."""

@@ -23,11 +23,13 @@ from esft.engines.base import (
     NonFiniteWeights,
     Sampling,
     check_coefficients,
+    check_optimizer_state,
     generation_from_tokens,
     resolve_device,
     torch_dtype,
 )
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
+from esft.es.optimizers import ESOptimizer
 
 class TransformersEngine:
     """Holds one transformers model; member evaluation = perturb → generate → restore."""
@@ -42,6 +44,7 @@ class TransformersEngine:
         max_tokens: int = 64,
         mini_batch_size: int | None = None,
         rank: int = 1,
+        optimizer: dict | None = None,
     ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -72,6 +75,8 @@ class TransformersEngine:
         # perturbed one at a time), not a second float32 copy of every trainable tensor.
         flat = torch.empty(max(m.numel() for m in self.master.values()), dtype=torch.float32, device=self.device)
         self._scratch = {name: flat[: m.numel()].view(m.shape) for name, m in self.master.items()}
+        self.optimizer = ESOptimizer(**(optimizer or {}))
+        """How G moves the master (--optimizer: esft.es.optimizers.optimizer_spec); adam's state beside the master."""
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self._prepare_tokenizer_and_generation()
         if noise not in LOW_RANK_SCHEMES:  # --population-batching with full-rank noise: each member's own weights
@@ -153,30 +158,36 @@ class TransformersEngine:
             param.copy_(self.master[name])
 
     @torch.no_grad()
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master.
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
+        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32 (sgd), or the optimizer's step
+        on that G (self.optimizer, esft.es.optimizers: adam, weight decay; `learning_rate` = α), then θ ← master.
 
         Per tensor the noise of every member is regenerated and accumulated before one add, as in
         the reference; nothing of the population's noise is ever held at once. Low-rank noise: one
-        matmul of the members' concatenated factors per matrix (esft.es.lowrank.accumulate_update).
+        matmul of the members' concatenated factors per matrix (esft.es.lowrank.accumulate_update; adam
+        needs the dense G: esft.es.lowrank.dense_update into the noise scratch).
         The weights θ are written only once every new master tensor is known to be finite (also
         after rounding to the model dtype): otherwise NonFiniteWeights, and the master is put back
-        from θ (exact in float32; in bfloat16/float16 the master then holds θ's rounded values).
+        from θ (exact in float32; in bfloat16/float16 the master then holds θ's rounded values); adam's
+        moments of the tensors stepped before that are not put back (the run stops there).
         """
         check_coefficients(coefficients)
         updated = []
         for index, name, param in self.trainable:
             if not perturbs(self.noise, param.shape):
                 continue
-            if self.noise in LOW_RANK_SCHEMES:
+            if self.noise in LOW_RANK_SCHEMES and self.optimizer.plain:
                 lowrank.accumulate_update(self.master[name], index, member_seeds, coefficients, self.rank, self._generator)
+            elif self.noise in LOW_RANK_SCHEMES:
+                total = lowrank.dense_update(self._scratch[name], index, member_seeds, coefficients, self.rank, self._generator)
+                self.optimizer.step(name, self.master[name], total, learning_rate)
             else:
                 total = torch.zeros_like(self.master[name])
                 noise = self._scratch[name]
                 for member_seed, coefficient in zip(member_seeds, coefficients, strict=True):
                     draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, noise)
                     total.add_(noise, alpha=coefficient)
-                self.master[name].add_(total)
+                self.optimizer.step(name, self.master[name], total, learning_rate)  # sgd: master.add_(total)
             updated.append((name, param))
         bad = [name for name, param in updated if not torch.isfinite(self.master[name].to(param.dtype)).all()]
         if bad:
@@ -200,6 +211,15 @@ class TransformersEngine:
         for name in self.master:
             self.master[name].copy_(state[name])
         self.restore()
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's state on CPU, keyed by Hugging Face names (esft.es.optimizers; {} for sgd)."""
+        return self.optimizer.state_dict()
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the optimizer's state from a checkpoint's (ValueError if it does not fit the trainable tensors)."""
+        check_optimizer_state(state, {name: tensor.shape for name, tensor in self.master.items()})
+        self.optimizer.load_state_dict(state, self.device)
 
     def checksum(self) -> str:
         """A digest of the master weights; equal digests mean bit-identical replicas."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -197,6 +198,21 @@ def adapter_trainable(selected, hf_params, indices, trainable: str | None):
 LORA_ES_SCHEME = "esft-lora://"
 
 
+def pack_state(tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """An optimizer state (esft.es.optimizers.ESOptimizer.state_dict) for vLLM's RPC, which returns untyped
+    values: step counts as ints, moments as (shape, float32 bytes)."""
+    return {key: int(tensor) if key.startswith("step.") else
+            (list(tensor.shape), tensor.detach().to(torch.float32).cpu().contiguous().numpy().tobytes())
+            for key, tensor in tensors.items()}
+
+
+def unpack_state(packed: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Inverse of pack_state."""
+    return {key: torch.tensor(value, dtype=torch.int64) if key.startswith("step.") else
+            torch.frombuffer(bytearray(value[1]), dtype=torch.float32).view(tuple(value[0])).clone()
+            for key, value in packed.items()}
+
+
 def lora_es_request(adapter_id: int, seed: int | None, sigma: float = 0.0):
     """A LoRA-ES request: member `seed` (trained adapter + σ·its noise), or the trained adapter (seed None)."""
     from vllm.lora.request import LoRARequest
@@ -211,8 +227,13 @@ class LoRAESWorker:
     member's adapter is master + σ·ε(seed) per adapter tensor (the transformers engine's arithmetic),
     built in memory on request; updates are applied here (only seeds and coefficients arrive)."""
 
-    def esft_lora_es_setup(self, spec, master: dict[str, bytes], noise: str, rank: int, alpha: float) -> None:
-        """spec: (tensor index, PEFT name, vLLM LoRA tensor name, shape) per adapter tensor."""
+    def esft_lora_es_setup(self, spec, master: dict[str, bytes], noise: str, rank: int, alpha: float,
+                           optimizer: dict | None = None) -> None:
+        """spec: (tensor index, PEFT name, vLLM LoRA tensor name, shape) per adapter tensor; `optimizer`:
+        esft.es.optimizers.ESOptimizer's arguments (a fresh state)."""
+        from esft.es.optimizers import ESOptimizer
+
+        self._esft_les_optimizer = ESOptimizer(**(optimizer or {}))
         self._esft_les_spec = [tuple(entry) for entry in spec]
         self._esft_les_master = {name: torch.frombuffer(bytearray(master[name]), dtype=torch.float32).view(shape).clone()
                                  for _, name, _, shape in self._esft_les_spec}
@@ -238,20 +259,33 @@ class LoRAESWorker:
                                            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
 
     @torch.no_grad()
-    def esft_lora_es_update(self, seeds, coefficients) -> list[str]:
-        """master += Σᵢ cᵢ·εᵢ per adapter tensor, accumulated in float32; names that would not be finite (then unchanged)."""
+    def esft_lora_es_update(self, seeds, coefficients, learning_rate: float = 1.0) -> list[str]:
+        """The optimizer's step on G = Σᵢ cᵢ·εᵢ per adapter tensor, accumulated in float32 (sgd: master += G);
+        names that would not be finite (then the master and the optimizer state are unchanged)."""
         from esft.es.noise import draw_noise
 
+        optimizer = self._esft_les_optimizer
+        before = optimizer.state_dict() if optimizer.state else None  # adapters are small: a copy undoes a bad step
         generator, new = torch.Generator(device="cpu"), {}
         for index, name, _, shape in self._esft_les_spec:
             total = torch.zeros(shape, dtype=torch.float32)
             for seed, coefficient in zip(seeds, coefficients, strict=True):
                 total.add_(draw_noise(self._esft_les_noise, seed, index, shape, "cpu", generator), alpha=coefficient)
-            new[name] = self._esft_les_master[name] + total
+            new[name] = self._esft_les_master[name].clone()
+            optimizer.step(name, new[name], total, learning_rate)
         bad = [name for name, tensor in new.items() if not torch.isfinite(tensor).all()]
         if not bad:
             self._esft_les_master.update(new)
+        elif optimizer.kind == "adam":
+            optimizer.load_state_dict(before or {})
         return bad
+
+    def esft_lora_es_optimizer(self) -> dict:
+        """The optimizer's state, PEFT-named (pack_state)."""
+        return pack_state(self._esft_les_optimizer.state_dict())
+
+    def esft_lora_es_load_optimizer(self, packed: dict) -> None:
+        self._esft_les_optimizer.load_state_dict(unpack_state(packed))
 
     def esft_lora_es_master(self) -> dict[str, bytes]:
         return {name: tensor.contiguous().numpy().tobytes() for name, tensor in self._esft_les_master.items()}

@@ -32,10 +32,11 @@ from esft.engines.base import (
     NonFiniteWeights,
     Sampling,
     check_coefficients,
+    check_optimizer_state,
     generation_from_tokens,
     torch_dtype,
 )
-from esft.engines.vllm_adapters import adapter_trainable, member_request, smallest_lora_rank
+from esft.engines.vllm_adapters import adapter_trainable, member_request, smallest_lora_rank, unpack_state
 from esft.engines.vllm_worker import from_bytes, to_bytes
 from esft.es.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -72,6 +73,7 @@ class VLLMEngine:
         seed: int = 0,
         rank: int = 1,
         max_loras: int | None = None,
+        optimizer: dict | None = None,
     ):
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache on CPU
         from transformers import AutoTokenizer
@@ -90,6 +92,7 @@ class VLLMEngine:
         self.generate_log: list[tuple[int, int]] = []
         """(rows, distinct LoRA adapters) of every vLLM `generate` call this engine made: a population
         served as adapters shows as one call carrying all its members (tests, benchmarks)."""
+        self.optimizer = dict(optimizer or {})  # esft.es.optimizers.ESOptimizer's arguments: the workers hold it
         # LoRA-ES (esft.engines.vllm_lora) sets adapter_rank, the trained adapter's rank, beforehand.
         served_rank = getattr(self, "adapter_rank", None) or (rank if noise in LOW_RANK_SCHEMES else None)
         lora = dict(enable_lora=True, max_loras=max_loras or 8, max_lora_rank=smallest_lora_rank(served_rank)) \
@@ -129,9 +132,9 @@ class VLLMEngine:
     def _rpc(self, method: str, *args):
         return self.llm.collective_rpc(method, args=args)
 
-    def configure(self, *, trainable: str | None = None, noise: str = "iid") -> None:
-        """Select the trainable tensors (regex on HF names, as --trainable) and the noise scheme;
-        the float32 master is rebuilt from the current weights. Low-rank noise on an engine with
+    def configure(self, *, trainable: str | None = None, noise: str = "iid", optimizer: dict | None = None) -> None:
+        """Select the trainable tensors (regex on HF names, as --trainable), the noise scheme and the
+        optimizer (None: the engine's; its state starts fresh); the float32 master is rebuilt from the current weights. Low-rank noise on an engine with
         LoRA: the matrices vLLM serves as LoRA (linear layers) by default, and only those
         (esft.engines.vllm_adapters.adapter_trainable); its one line says what is frozen."""
         if noise not in ("iid", "correlated", "lowrank"):
@@ -148,8 +151,9 @@ class VLLMEngine:
                 f"{trainable!r} matches no parameter of the model; names look like {self.hf_params[0][1]!r}"
             )
         self.noise, self.trainable_pattern = noise, trainable
+        self.optimizer = dict(self.optimizer if optimizer is None else optimizer)
         indices = [index for index, _, _ in self.trainable]
-        self._rpc("esft_configure", indices, noise, self.rank)
+        self._rpc("esft_configure", indices, noise, self.rank, self.optimizer)
         if noise in LOW_RANK_SCHEMES and self.adapter_indices:
             self._rpc("esft_adapter_configure", [i for i, _, shape in self.trainable if perturbs(noise, shape)], self.rank)
 
@@ -162,12 +166,12 @@ class VLLMEngine:
         """θ ← master: bit-exact."""
         self._rpc("esft_restore")
 
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32, then θ ← master
-        (NonFiniteWeights, weights unchanged, if that would not be finite)."""
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
+        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32 (or the optimizer's step
+        on it: Engine.update), then θ ← master (NonFiniteWeights, weights unchanged, if that would not be finite)."""
         check_coefficients(coefficients)
         bad = sorted({name for names in self._rpc("esft_update", [int(s) for s in member_seeds],
-                                                    [float(c) for c in coefficients]) for name in names})
+                                                    [float(c) for c in coefficients], float(learning_rate)) for name in names})
         if bad:
             raise NonFiniteWeights(f"the update would make {len(bad)} tensor(s) non-finite ({', '.join(bad[:3])}) "
                                    "(weights unchanged)")
@@ -211,6 +215,28 @@ class VLLMEngine:
             raise ValueError(f"checkpoint master state lacks tensors: {sorted(missing)[:5]}")
         wanted = {name: to_bytes(state[name]) for _, name, _ in self.trainable}
         self._rpc("esft_load_master", wanted)
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The workers' optimizer state, HF-named and HF-shaped (exp_avg.<name>, exp_avg_sq.<name>, step.<name>)."""
+        shapes = {name: shape for _, name, shape in self.trainable}
+        out: dict[str, torch.Tensor] = {}
+        for blocks in self._rpc("esft_optimizer_blocks"):
+            for name, bounds, packed in blocks:
+                where = tuple(slice(a, b) for a, b in bounds)
+                for key, value in unpack_state(packed).items():
+                    kind = key.partition(".")[0]
+                    if kind == "step":
+                        out[f"step.{name}"] = value
+                    else:
+                        out.setdefault(f"{kind}.{name}", torch.zeros(shapes[name]))[where] = value
+        return out
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Set the workers' optimizer state from HF-named tensors (optimizer_state's)."""
+        check_optimizer_state(state, {name: shape for _, name, shape in self.trainable})
+        steps = {key.partition(".")[2]: int(value) for key, value in state.items() if key.startswith("step.")}
+        self._rpc("esft_load_optimizer", {key: to_bytes(value) for key, value in state.items()
+                                           if not key.startswith("step.")}, steps)
 
     def num_trainable(self) -> int:
         return sum(torch.Size(shape).numel() for _, _, shape in self.trainable)

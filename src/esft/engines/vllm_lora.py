@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from esft.engines.base import Generation, NonFiniteWeights, Sampling, check_coefficients, generation_from_tokens
-from esft.engines.vllm_adapters import lora_es_request
+from esft.engines.base import (Generation, NonFiniteWeights, Sampling, check_coefficients, check_optimizer_state,
+                               generation_from_tokens)
+from esft.engines.vllm_adapters import lora_es_request, pack_state, unpack_state
 from esft.engines.vllm_engine import VLLMEngine
 from esft.es.noise import LOW_RANK_SCHEMES
 
@@ -55,13 +56,15 @@ class VLLMLoRAEngine(VLLMEngine):
         self._trained = None
         super().__init__(model_path, **kwargs)
 
-    def configure(self, *, trainable: str | None = None, noise: str = "iid") -> None:
-        """The adapter tensors are the trainable ones (chosen at construction); full-rank noise only."""
+    def configure(self, *, trainable: str | None = None, noise: str = "iid", optimizer: dict | None = None) -> None:
+        """The adapter tensors are the trainable ones (chosen at construction); full-rank noise only;
+        `optimizer` as VLLMEngine.configure's (its state, in the worker, starts fresh)."""
         if noise in LOW_RANK_SCHEMES:
             raise ValueError("LoRA-ES on vLLM perturbs the adapter with --noise iid or correlated, not lowrank")
         self.noise, self.trainable_pattern, self.trainable = noise, trainable, list(self._spec)
         spec = [(index, name, served_name(name), shape) for index, name, shape in self._spec]
-        self._rpc("esft_lora_es_setup", spec, self._initial, noise, self.adapter_rank, self._alpha)
+        self.optimizer = dict(self.optimizer if optimizer is None else optimizer)
+        self._rpc("esft_lora_es_setup", spec, self._initial, noise, self.adapter_rank, self._alpha, self.optimizer)
         self._trained = None
 
     def _fresh(self, seed: int | None = None, sigma: float = 0.0):
@@ -77,9 +80,10 @@ class VLLMLoRAEngine(VLLMEngine):
     def restore(self) -> None:
         self._member = None
 
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
         check_coefficients(coefficients)
-        bad = self._rpc("esft_lora_es_update", [int(s) for s in member_seeds], [float(c) for c in coefficients])[0]
+        bad = self._rpc("esft_lora_es_update", [int(s) for s in member_seeds], [float(c) for c in coefficients],
+                        float(learning_rate))[0]
         if bad:
             raise NonFiniteWeights(f"the update would make {len(bad)} adapter tensor(s) non-finite ({', '.join(bad[:3])}) "
                                    "(weights unchanged)")
@@ -97,6 +101,14 @@ class VLLMLoRAEngine(VLLMEngine):
         self._rpc("esft_lora_es_load", {name: state[name].to(torch.float32).contiguous().numpy().tobytes()
                                          for _, name, _ in self._spec})
         self._trained = None
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The worker's optimizer state of the adapter tensors, PEFT-named."""
+        return unpack_state(self._rpc("esft_lora_es_optimizer")[0])
+
+    def load_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        check_optimizer_state(state, {name: shape for _, name, shape in self._spec})
+        self._rpc("esft_lora_es_load_optimizer", pack_state(state))
 
     def checksum(self) -> str:
         digest = hashlib.blake2b(digest_size=16)

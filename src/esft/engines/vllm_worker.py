@@ -17,7 +17,8 @@ transformers engine.
 
 ES semantics are the transformers engine's: a float32 master of every vLLM parameter that holds
 trainable elements; perturb = master + σ·ε rounded once to the model dtype; restore = copy of the
-master (bit-exact); update = Σ cᵢ·εᵢ accumulated in float32 per HF tensor, added to the master.
+master (bit-exact); update = Σ cᵢ·εᵢ accumulated in float32 per HF tensor, added to the master
+(--optimizer adam: adam's step on it, esft.es.optimizers, its state beside the master, block by block).
 Low-rank noise: perturb and update are esft.es.lowrank's on each HF matrix (the transformers
 engine's arithmetic), and members can be served as LoRA adapters instead (esft.engines.vllm_adapters).
 
@@ -37,9 +38,10 @@ from collections.abc import Sequence
 
 import torch
 
-from esft.engines.vllm_adapters import AdapterWorker, LoRAESWorker, lora_unwrapped
+from esft.engines.vllm_adapters import AdapterWorker, LoRAESWorker, lora_unwrapped, pack_state
 from esft.es import lowrank
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
+from esft.es.optimizers import AdamState, ESOptimizer
 
 # ------------------------------------------------------------ CPU GEMM dispatch
 _PACKED_LAYERS: list[torch.nn.Module] = []
@@ -195,11 +197,13 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
             for n, data in saved.items():
                 self._esft_params[n].data = data
 
-    def esft_configure(self, trainable: Sequence[int], noise: str, rank: int = 1) -> int:
-        """Choose the trainable HF tensors (by index), the noise scheme and low-rank noise's rank;
+    def esft_configure(self, trainable: Sequence[int], noise: str, rank: int = 1, optimizer: dict | None = None) -> int:
+        """Choose the trainable HF tensors (by index), the noise scheme, low-rank noise's rank and the
+        optimizer (esft.es.optimizers.ESOptimizer's arguments, fresh state: keyed "<HF index>/<block>");
         (re)builds the float32 master from the current weights. Returns the number of trainable
         scalars on this rank. Low-rank noise leaves non-matrix tensors frozen, as everywhere."""
         self._esft_scheme, self._esft_rank = noise, int(rank)
+        self._esft_optimizer = ESOptimizer(**(optimizer or {}))
         missing = [self._esft_hf[i][0] for i in trainable if not self._esft_blocks.get(i)]
         if missing:
             raise RuntimeError(f"esft: vLLM has no parameter for {missing[:5]}")
@@ -268,12 +272,20 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
         self._esft_repack(self._esft_master)
 
     @torch.no_grad()
-    def esft_update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> list[str]:
+    def esft_update(self, seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> list[str]:
         """master += Σᵢ cᵢ·εᵢ, accumulated in float32 per HF tensor (as the transformers engine
-        does, so both engines compute the same float32 numbers), then θ ← master. If a tensor
+        does, so both engines compute the same float32 numbers; adam or weight decay: the optimizer's
+        step on that G, block by block, elementwise as on the whole tensor), then θ ← master. If a tensor
         would not be finite, θ is left alone, the master is put back from it, and the names of the
         offending vLLM tensors are returned (else [])."""
+        optimizer = self._esft_optimizer
         for index, shape, blocks in self._esft_trainable:
+            if self._esft_scheme in LOW_RANK_SCHEMES and not optimizer.plain:
+                if perturbs(self._esft_scheme, shape):  # the dense G into the scratch, then the optimizer's step
+                    total = self._esft_scratch[: torch.Size(shape).numel()].view(shape)
+                    lowrank.dense_update(total, index, seeds, coefficients, self._esft_rank, self._esft_generator)
+                    self._esft_step(index, blocks, total, learning_rate)
+                continue
             if self._esft_scheme in LOW_RANK_SCHEMES:
                 if perturbs(self._esft_scheme, shape):  # one matmul of the members' factors, on the HF matrix
                     whole = self._esft_hf_master(shape, blocks)
@@ -284,6 +296,9 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
             total = torch.zeros(shape, dtype=torch.float32, device=self._esft_device)
             for seed, coefficient in zip(seeds, coefficients, strict=True):
                 total.add_(self._esft_draw(seed, index, shape), alpha=coefficient)
+            if not optimizer.plain:
+                self._esft_step(index, blocks, total, learning_rate)
+                continue
             for name, vslices, hslices in blocks:
                 self._esft_master[name][vslices].add_(total[hslices])
         bad = [name for name, master in self._esft_master.items()
@@ -294,6 +309,37 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
             return bad
         self.esft_restore()
         return []
+
+    def _esft_step(self, index: int, blocks, total: torch.Tensor, learning_rate: float) -> None:
+        for number, (name, vslices, hslices) in enumerate(blocks):
+            self._esft_optimizer.step(f"{index}/{number}", self._esft_master[name][vslices], total[hslices].contiguous(),
+                                      learning_rate)
+
+    def esft_optimizer_blocks(self) -> list[tuple[str, list, dict]]:
+        """This rank's optimizer state in HF layout: (HF name, HF slices as [start, stop] pairs, the
+        block's packed state (esft.engines.vllm_adapters.pack_state, keys exp_avg, exp_avg_sq, step))."""
+        out = []
+        for index, _, blocks in self._esft_trainable:
+            for number, (_, _, hslices) in enumerate(blocks):
+                state = self._esft_optimizer.state.get(f"{index}/{number}")
+                if state is not None:
+                    packed = pack_state({"exp_avg.x": state.exp_avg, "exp_avg_sq.x": state.exp_avg_sq,
+                                         "step.x": torch.tensor(state.step)})
+                    out.append((self._esft_hf[index][0], [[s.start, s.stop] for s in hslices], packed))
+        return out
+
+    def esft_load_optimizer(self, state: dict[str, bytes], steps: dict[str, int]) -> None:
+        """Set the optimizer state from HF-named float32 moments (bytes: exp_avg.<name>, exp_avg_sq.<name>)
+        and step counts; tensors without a state start fresh."""
+        self._esft_optimizer.state = {}
+        for index, shape, blocks in self._esft_trainable:
+            name = self._esft_hf[index][0]
+            if name not in steps:
+                continue
+            moments = [from_bytes(state[f"{kind}.{name}"], shape).to(self._esft_device) for kind in ("exp_avg", "exp_avg_sq")]
+            for number, (_, _, hslices) in enumerate(blocks):
+                self._esft_optimizer.state[f"{index}/{number}"] = AdamState(
+                    moments[0][hslices].contiguous(), moments[1][hslices].contiguous(), int(steps[name]))
 
     def esft_checksum(self) -> str:
         """Digest of this rank's float32 master."""

@@ -39,18 +39,39 @@ def accumulate_update(
     generator: torch.Generator | None = None,
 ) -> None:
     """master += Σᵢ coefficients[i]·Aᵢ·Bᵢᵀ/√rank, as one float32 matmul with inner dimension N·rank."""
+    left, right = _concatenated_factors(master.shape, master.device, tensor_index, member_seeds, coefficients, rank,
+                                        generator)
+    master.addmm_(left, right.T)
+
+
+def dense_update(
+    out: torch.Tensor,
+    tensor_index: int,
+    member_seeds: Sequence[int],
+    coefficients: Sequence[float],
+    rank: int,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """out ← Σᵢ coefficients[i]·Aᵢ·Bᵢᵀ/√rank (the dense G of one matrix, for an optimizer that needs
+    it: esft.es.optimizers), the same one matmul as accumulate_update, into a float32 scratch."""
+    left, right = _concatenated_factors(out.shape, out.device, tensor_index, member_seeds, coefficients, rank, generator)
+    return torch.mm(left, right.T, out=out)
+
+
+def _concatenated_factors(shape, device, tensor_index, member_seeds, coefficients, rank, generator):
+    """[c₁A₁/√r … c_NA_N/√r] and [B₁ … B_N]: G = left·rightᵀ."""
     count = len(member_seeds)
     if count != len(coefficients):
         raise ValueError(f"{count} member seeds for {len(coefficients)} coefficients")
-    rows, cols = master.shape
-    left = torch.empty((rows, count * rank), dtype=torch.float32, device=master.device)
-    right = torch.empty((cols, count * rank), dtype=torch.float32, device=master.device)
+    rows, cols = shape
+    left = torch.empty((rows, count * rank), dtype=torch.float32, device=device)
+    right = torch.empty((cols, count * rank), dtype=torch.float32, device=device)
     scale = 1.0 / math.sqrt(rank)
     for i, (member_seed, coefficient) in enumerate(zip(member_seeds, coefficients)):
-        a, b = lowrank_factors(member_seed, tensor_index, master.shape, rank, master.device, generator)
+        a, b = lowrank_factors(member_seed, tensor_index, shape, rank, device, generator)
         torch.mul(a, coefficient * scale, out=left[:, i * rank : (i + 1) * rank])
         right[:, i * rank : (i + 1) * rank] = b
-    master.addmm_(left, right.T)
+    return left, right
 
 
 def stacked_factors(

@@ -97,9 +97,9 @@ class LocalExecutor:
     def _result(seed: int, generation: Generation, scores: Scores) -> MemberResult:
         return MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens))
 
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        """Apply θ += Σ coefficientsᵢ·εᵢ on the engine."""
-        self.engine.update(member_seeds, coefficients)
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
+        """Apply the optimizer's step on G = Σ coefficientsᵢ·εᵢ on the engine (sgd: θ += G; Engine.update)."""
+        self.engine.update(member_seeds, coefficients, learning_rate)
 
     def generate(
         self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None

@@ -85,20 +85,25 @@ class ESActor:
 
         return population_batching_problem(self.engine)
 
-    def update(self, seeds: Sequence[int], coefficients: Sequence[float]) -> str:
-        self.engine.update(seeds, coefficients)
+    def update(self, seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> str:
+        self.engine.update(seeds, coefficients, learning_rate)
         return self.engine.checksum()
 
-    def synchronise(self, base: dict | None, updates: Sequence[tuple[list[int], list[float]]], state: dict | None) -> str:
-        """Become a replica: load `state` (a live actor's weights) or replay `updates` from the
-        base weights (`base` = the master after a resume, else the model as loaded)."""
+    def synchronise(self, base: dict | None, updates: Sequence[tuple[list[int], list[float], float]], state: dict | None,
+                    base_optimizer: dict | None = None, optimizer: dict | None = None) -> str:
+        """Become a replica: load `state` and `optimizer` (a live actor's weights and optimizer state) or
+        replay `updates` (seeds, coefficients, learning rate) from the base weights and optimizer state
+        (`base`, `base_optimizer` = those of a resume, else the model as loaded and a fresh optimizer)."""
         if state is not None:
             self.engine.load_master_state(state)
+            self.engine.load_optimizer_state(optimizer or {})
         else:
             if base is not None:
                 self.engine.load_master_state(base)
-            for seeds, coefficients in updates:
-                self.engine.update(seeds, coefficients)
+            if base_optimizer is not None:
+                self.engine.load_optimizer_state(base_optimizer)
+            for seeds, coefficients, learning_rate in updates:
+                self.engine.update(seeds, coefficients, learning_rate)
         return self.engine.checksum()
 
     def checksum(self) -> str:
@@ -118,6 +123,12 @@ class ESActor:
     def load_master_state(self, state: dict) -> str:
         self.engine.load_master_state(state)
         return self.engine.checksum()
+
+    def optimizer_state(self) -> dict:
+        return self.engine.optimizer_state()
+
+    def load_optimizer_state(self, state: dict) -> None:
+        self.engine.load_optimizer_state(state)
 
     def saved_files(self) -> dict[str, bytes]:
         """The engine's save_pretrained output as {relative path: bytes} (the driver may be on

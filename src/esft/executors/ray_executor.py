@@ -79,7 +79,8 @@ class RayExecutor:
         )
         self._task_ref = None  # shipped on first use: the trainer renders chat prompts after building us
         self._base_ref = None  # master state loaded by load_master_state (resume), else the model on disk
-        self.updates: list[tuple[list[int], list[float]]] = []
+        self._base_optimizer_ref = None  # optimizer state loaded on resume (adam), else a fresh optimizer
+        self.updates: list[tuple[list[int], list[float], float]] = []
         self.events: list[str] = []
         self.slots = [_Slot(i) for i in range(args.workers)]
         for slot in self.slots:
@@ -191,10 +192,11 @@ class RayExecutor:
         slot.identity = None
         slot.actor = self._new_actor()
         live = [s for s in self.slots if s is not slot and s.identity is not None]
-        state = None
+        state = optimizer = None
         if len(self.updates) > self.replay_limit and live:
-            state = live[0].actor.master_state.remote()
-        return slot.actor.synchronise.remote(self._base_ref, [] if state is not None else self.updates, state)
+            state, optimizer = live[0].actor.master_state.remote(), live[0].actor.optimizer_state.remote()
+        return slot.actor.synchronise.remote(self._base_ref, [] if state is not None else self.updates, state,
+                                             self._base_optimizer_ref, optimizer)
 
     def _joined(self, slot: _Slot, future, starting: dict, wait: bool = False) -> bool:
         """A replacement finished synchronising: check it, or start yet another one."""
@@ -215,11 +217,12 @@ class RayExecutor:
             return True
 
     # ------------------------------------------------------------ weights
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        """Every actor applies θ += Σ cᵢ·εᵢ itself; then their checksums must agree."""
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
+        """Every actor applies the optimizer's step on G = Σ cᵢ·εᵢ itself (each holds the same optimizer
+        state); then their checksums must agree."""
         seeds, coefficients = [int(s) for s in member_seeds], [float(c) for c in coefficients]
-        self.updates.append((seeds, coefficients))
-        futures = {slot.actor.update.remote(seeds, coefficients): slot for slot in self.slots}
+        self.updates.append((seeds, coefficients, float(learning_rate)))
+        futures = {slot.actor.update.remote(seeds, coefficients, float(learning_rate)): slot for slot in self.slots}
         checksums: dict[int, str] = {}
         for future, slot in futures.items():
             try:
@@ -304,8 +307,8 @@ class RayEngine:
     def restore(self) -> None:
         self._all("restore")
 
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float]) -> None:
-        self._executor.update(member_seeds, coefficients)
+    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
+        self._executor.update(member_seeds, coefficients, learning_rate)
 
     def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None,
                  sampling: Sampling | None = None) -> Generation:
@@ -323,6 +326,15 @@ class RayEngine:
         executor._base_ref = ray.put({name: tensor.clone() for name, tensor in state.items()})
         executor.updates = []
         executor._checksum = executor._agreed(ray.get([slot.actor.load_master_state.remote(executor._base_ref) for slot in executor.slots]))
+
+    def optimizer_state(self) -> dict:
+        return self._executor._call_one("optimizer_state")
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Every actor loads `state` (after load_master_state); replacements start from it too."""
+        executor = self._executor
+        executor._base_optimizer_ref = ray.put({name: tensor.clone() for name, tensor in state.items()})
+        ray.get([slot.actor.load_optimizer_state.remote(executor._base_optimizer_ref) for slot in executor.slots])
 
     def trainable_names(self) -> list[str]:
         if self._names is None:

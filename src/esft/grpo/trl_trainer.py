@@ -55,12 +55,16 @@ def require_trl() -> None:
 
 def grpo_config(args: ESConfig, output_dir: Path):
     """TRL's GRPOConfig for these settings: the "GRPO (TRL)" fields under TRL's names, --iterations
-    as max_steps, --max-tokens as max_completion_length; esft does the logging, evaluation and saving."""
+    as max_steps, --max-tokens as max_completion_length, --adam-betas, --adam-eps and --weight-decay as
+    its AdamW's adam_beta1/adam_beta2, adam_epsilon and weight_decay (the same defaults); esft does the
+    logging, evaluation and saving."""
     with _quiet_trl():
         from trl import GRPOConfig
 
     cpu = resolve_device(args.device).type == "cpu"
     settings = {name: getattr(args, name) for name in GRPO_ONLY if name != "rollout_temperature"}
+    settings["adam_beta1"], settings["adam_beta2"] = args.adam_beta_pair()
+    settings |= dict(adam_epsilon=args.adam_eps, weight_decay=args.weight_decay)
     return GRPOConfig(
         output_dir=str(output_dir), max_steps=args.iterations, seed=args.seed, temperature=args.rollout_temperature,
         max_completion_length=args.max_tokens, bf16=args.dtype == "bfloat16", fp16=False, use_cpu=cpu,

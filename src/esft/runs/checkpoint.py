@@ -3,7 +3,11 @@
 Written into a temporary sibling directory and renamed into place, so a crash never leaves a
 half-written `checkpoint-<N>` (resume only considers directories holding `trainer_state.json`,
 which is written last). Low-precision runs and adapters (LoRA-ES: the directory is a PEFT adapter)
-also store the float32 master (`master.safetensors`), which resume needs to continue bit-exactly.
+also store the float32 master (`master.safetensors`), which resume needs to continue bit-exactly;
+runs with --optimizer adam store its moments and step counts (`optimizer/optimizer.safetensors`,
+Hugging Face names: esft.es.optimizers), which resume loads so that it continues bit-exactly too; in
+a folder of its own, because vLLM loads every top-level *.safetensors file of a model directory as
+weights (and would refuse the moments' names).
 `trainer_state.json` records a digest of every other file of the checkpoint and the checksum of the
 weights: `verify` checks the files before any model loads, `load_master` checks the weights once
 loaded, so a corrupted, truncated or incomplete checkpoint is never trained on.
@@ -22,6 +26,7 @@ from esft.files import directory_digests, file_digest, make_temporary_dir, write
 
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
+OPTIMIZER_FILE = "optimizer/optimizer.safetensors"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 MAX_ITERATION = 10**9
 """The largest iteration a trainer state may record (a hand-edited 10**30 is refused, not trained towards)."""
@@ -42,6 +47,11 @@ def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master:
             from safetensors.torch import save_file
 
             save_file(engine.master_state(), str(tmp / MASTER_FILE))
+        if optimizer_state := engine.optimizer_state():  # adam's moments (sgd has none)
+            from safetensors.torch import save_file
+
+            (tmp / OPTIMIZER_FILE).parent.mkdir()
+            save_file(optimizer_state, str(tmp / OPTIMIZER_FILE))
         state = {**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}
         write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
         if directory.exists():
@@ -156,7 +166,7 @@ def _unreadable_weights(checkpoint: Path) -> str | None:
     resume moves anything."""
     from safetensors import SafetensorError, safe_open
 
-    for path in sorted(checkpoint.glob("*.safetensors")):
+    for path in sorted(checkpoint.glob("*.safetensors")) + sorted(checkpoint.glob(OPTIMIZER_FILE)):
         if path.is_symlink():  # also in checkpoints written before digests were recorded
             return f"{path} is a link; a checkpoint holds its weights itself"
         try:
@@ -167,10 +177,12 @@ def _unreadable_weights(checkpoint: Path) -> str | None:
     return None
 
 
-def load_master(checkpoint: Path, engine) -> None:
+def load_master(checkpoint: Path, engine, optimizer: str = "sgd") -> None:
     """Give `engine` the checkpoint's weights: the float32 master if stored, else the model file
     (float32 runs: there the saved weights are the master, bit for bit); then check that they are the
-    weights the checkpoint recorded (CheckpointError otherwise)."""
+    weights the checkpoint recorded (CheckpointError otherwise). With `optimizer` adam, also adam's
+    state (OPTIMIZER_FILE): a checkpoint without it (an sgd run's) is a CheckpointError, since
+    fresh moments would not continue the run it wrote; sgd ignores a stored state (it has none)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -194,6 +206,24 @@ def load_master(checkpoint: Path, engine) -> None:
     if expected is not None and engine.checksum() != expected:
         raise CheckpointError(f"{checkpoint}: the loaded weights do not match the checksum recorded in {STATE_FILE} "
                               "(a different model, dtype or --trainable than the run used?)")
+    if optimizer == "adam":
+        _load_optimizer(checkpoint, engine)
+
+
+def _load_optimizer(checkpoint: Path, engine) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = checkpoint / OPTIMIZER_FILE
+    if not path.is_file():
+        used = read_state(checkpoint)["config"].get("optimizer", "sgd")
+        raise CheckpointError(f"{checkpoint} holds no optimizer state ({OPTIMIZER_FILE}; it was written with --optimizer "
+                              f"{used}): resume it with --optimizer {used}, or start a new run with --optimizer adam")
+    try:
+        engine.load_optimizer_state(load_file(str(path)))
+    except (SafetensorError, ValueError, RuntimeError) as error:
+        raise CheckpointError(f"{path} does not fit this run ({str(error).splitlines()[0]}); resume with the run's own "
+                              "--model, --trainable, --noise and LoRA settings") from None
 
 
 def prune_checkpoints(run_dir: Path, keep: int | None) -> None:
