@@ -9,7 +9,8 @@ after another, OMP_NUM_THREADS=1, a finished run is not run again), evaluated gr
 - paper        `esft train` (the demo preset: low-rank noise, population batching, N = 30, 32 prompts)
                with the paper's update rule: one-sided seeds, z-scores, θ += α·g, constant σ and α
 - antithetic   + --antithetic (15 seeds, each at ±σ)
-- adam         + --optimizer adam --alpha <--adam-alpha>
+- adam         + --optimizer adam --alpha A, A swept on the first seed (--adam-alphas; every weight moves
+               by about A per step, so A is far below the paper's α = 5e-4); the best A runs every seed
 - per-prompt   + --reward-shaping per_prompt
 - schedules    + --sigma-schedule cosine:0.5 --alpha-schedule cosine:0.1
 - batch-8      + --batch-size 8 (not a new rule: 4× more updates for the same completions)
@@ -167,7 +168,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=9600, help="training completions per run (a multiple of 960)")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--methods", default=",".join([*SINGLE, "combined", "grpo"]))
-    parser.add_argument("--adam-alpha", type=float, default=1e-4, help="--alpha of the adam variant")
+    parser.add_argument("--adam-alphas", default="3e-5,1e-4,3e-4", help="--alpha values of the adam variant swept on the first seed")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/es_variants"))
     parser.add_argument("--out", type=Path, default=HERE / "es_variants")
     parser.add_argument("--no-after", action="store_true", help="skip pass@k and the weight geometry")
@@ -176,15 +177,21 @@ def main() -> None:
     command_line = "OMP_NUM_THREADS=1 python benchmarks/es_variants.py " + " ".join(sys.argv[1:])
     options.runs.mkdir(parents=True, exist_ok=True)
     results: list[dict] = []
+    sweep = []
+    if "adam" in methods:  # the sweep's runs are named after their alpha; the best one's seed is reused
+        for value in [float(a) for a in options.adam_alphas.split(",")]:
+            sweep.append(train(f"adam-a{value:g}", seeds[0], options.budget, options.runs, flags("adam", [], value)))
+        options.adam_alpha = float(max(sweep, key=lambda r: score([{**r, "method": "x"}], "x"))["flags"][-1])
     for method in [m for m in methods if m in SINGLE] + [m for m in methods if m == "grpo"]:
-        extra = flags(method, [], options.adam_alpha) if method != "grpo" else []
-        results += [train(method, seed, options.budget, options.runs, extra) for seed in seeds]
-        report(options, command_line, results, [], {})
+        extra = flags(method, [], getattr(options, "adam_alpha", 0.0)) if method != "grpo" else []
+        name = f"adam-a{options.adam_alpha:g}" if method == "adam" else method
+        results += [{**train(name, seed, options.budget, options.runs, extra), "method": method} for seed in seeds]
+        report(options, command_line, results, [], {}, sweep)
     combined = [m for m in SINGLE if m != "paper" and any(r["method"] == m for r in results)
                 and score(results, m) > score(results, "paper")]
     if "combined" in methods and combined:
-        results += [train("combined", seed, options.budget, options.runs, flags("combined", combined, options.adam_alpha))
-                    for seed in seeds]
+        results += [train("combined", seed, options.budget, options.runs,
+                          flags("combined", combined, getattr(options, "adam_alpha", 0.0))) for seed in seeds]
     after: dict = {}
     if not options.no_after and any(r["method"] == "grpo" for r in results):
         best_es = "combined" if combined and "combined" in methods else max(
@@ -199,19 +206,23 @@ def main() -> None:
                 final = options.runs / f"{method}-b{options.budget}-s{seed}" / "final"
                 after.setdefault(method, []).append({"seed": seed, **sampled_eval(str(final), seed, options.runs, f"passk-{method}-s{seed}"),
                                                      **geometry(final, base, prompts, seed)})
-    report(options, command_line, results, combined, after)
+    report(options, command_line, results, combined, after, sweep)
 
 
-def report(options, command_line: str, results: list[dict], combined: list[str], after: dict) -> None:
+def report(options, command_line: str, results: list[dict], combined: list[str], after: dict, sweep: list[dict]) -> None:
     out = options.out
     out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": options.budget, "combined": combined,
-                                                    "results": results, "after": after}, indent=1))
+                                                    "results": results, "after": after, "adam_sweep": sweep}, indent=1))
     loads = [load for r in results for load in (r["load_before"][0], r["load_after"][0])] or [0.0]
     text = [f"Command: `{command_line}`", "",
             f"Held-out accuracy (%, the seed's 500 problems, greedy), mean ± std over seeds "
             f"{sorted({r['seed'] for r in results})}; in brackets the difference to the paper's rule. Combined = "
             f"{', '.join(combined) or 'none'} (chosen on these same seeds). Load average (1 min) beside the runs "
             f"{min(loads):.1f}–{max(loads):.1f}.", "", table(results, options.budget)]
+    if sweep:
+        text += ["", f"Adam's α swept on seed {sweep[0]['seed']}: " + ", ".join(
+            f"{r['flags'][-1]} → {100 * score([{**r, 'method': 'x'}], 'x'):.1f}%" for r in sweep)
+            + " (mean held-out accuracy over the budget points); the best runs every seed."]
     if after:
         keys = ("pass@1", "pass@4", "pass@16", "kl_per_token", "relative_weight_distance")
         text += ["", f"At {options.budget:,} completions, sampled evaluation (16 samples per problem, temperature 1) "

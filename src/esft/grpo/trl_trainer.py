@@ -149,6 +149,10 @@ class TRLCheckpointFiles:
             if file.is_file() and file.name not in RESUME_FILES and not file.name.startswith("rng_state"):
                 _link_or_copy(file, Path(path) / file.name)
 
+    def optimizer_state(self) -> dict:
+        """None of esft's: TRL's AdamW state travels inside `trl/` (its optimizer.pt)."""
+        return {}
+
 
 def _link_or_copy(source: str | Path, target: str | Path) -> None:
     try:
