@@ -15,7 +15,8 @@ after another, OMP_NUM_THREADS=1, a finished run is not run again), evaluated gr
 - schedules    + --sigma-schedule cosine:0.5 --alpha-schedule cosine:0.1
 - batch-8      + --batch-size 8 (not a new rule: 4× more updates for the same completions)
 - combined     every single variant above whose mean accuracy over the budget points beats paper's
-               (chosen from this benchmark's own seeds, so it is optimistic; said in the table)
+               (chosen from this benchmark's own seeds, so it is optimistic; said in the table); run only
+               when two or more do
 - grpo         `esft train --algorithm grpo` with TRL's defaults (lr 1e-6, 8 completions per step)
 
 Then, at the budget, for the base model, the combined (else best) ES run and the GRPO run of every
@@ -189,12 +190,12 @@ def main() -> None:
         report(options, command_line, results, [], {}, sweep)
     combined = [m for m in SINGLE if m != "paper" and any(r["method"] == m for r in results)
                 and score(results, m) > score(results, "paper")]
-    if "combined" in methods and combined:
+    if "combined" in methods and len(combined) > 1:  # one variant alone is its own row already
         results += [train("combined", seed, options.budget, options.runs,
                           flags("combined", combined, getattr(options, "adam_alpha", 0.0))) for seed in seeds]
     after: dict = {}
     if not options.no_after and any(r["method"] == "grpo" for r in results):
-        best_es = "combined" if combined and "combined" in methods else max(
+        best_es = "combined" if len(combined) > 1 and "combined" in methods else max(
             (m for m in SINGLE if any(r["method"] == m for r in results)), key=lambda m: score(results, m))
         from esft.config import embedded_model_path
 

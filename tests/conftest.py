@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -7,6 +8,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+# vLLM's CPU KV cache, GiB per engine (esft's default is 2): the smallest it takes is plenty for the tests'
+# few short rows, and a session holds up to four engines at once (the shared one, a test's own, two Ray
+# actors', which inherit this environment): at 2 GiB each they came within 1 GB of a 24 GB machine's limit.
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from tiny_model import build_tiny_model, build_tiny_reward_model  # noqa: E402
 
