@@ -14,6 +14,7 @@ from esft.trl_names import ES_EQUIVALENTS
 EMBEDDED_MODEL = "embedded"
 CHOICES = {
     "noise": ("iid", "correlated", "lowrank"),
+    "optimizer": ("sgd", "adam"),  # esft.es.optimizers.OPTIMIZERS
     "reward_shaping": ("zscore", "rank", "raw", "per_prompt"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),

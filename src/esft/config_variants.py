@@ -52,8 +52,6 @@ class VariantFields(RunFields):
 
 def check_variants(config) -> None:
     """ConfigError naming the first invalid ES-variant setting and how to fix it."""
-    if config.optimizer not in ("sgd", "adam"):
-        raise ConfigError("optimizer", f"must be sgd or adam; got {config.optimizer!r}")
     if config.antithetic and config.population_size % 2:
         raise ConfigError("population_size", f"--antithetic pairs members (θ ± σ·ε), so N must be even; got "
                           f"{config.population_size}: use {config.population_size + 1} or {config.population_size - 1}")

@@ -103,6 +103,5 @@ class ESOptimizer:
 def optimizer_spec(args) -> dict:
     """ESOptimizer's keyword arguments from a config's --optimizer, --adam-betas, --adam-eps, --weight-decay
     (plain values: they travel to Ray actors and vLLM workers)."""
-    first, second = (float(part) for part in str(args.adam_betas).split(","))
-    return {"kind": args.optimizer, "betas": (first, second), "eps": float(args.adam_eps),
+    return {"kind": args.optimizer, "betas": args.adam_beta_pair(), "eps": float(args.adam_eps),
             "weight_decay": float(args.weight_decay)}
