@@ -20,10 +20,17 @@ sandboxed reward (for the +overlap paths).
 Generation is esft's greedy decoder (esft.engines.decoding) everywhere, the limit included.
 Completion lengths are forced equal on every side (benchmark-only: min_new_tokens = max_new_tokens,
 so EOS never ends a row early): tokens = population × batch × max_tokens everywhere; with
---natural-lengths EOS ends completions as in training. Rounds alternate the measurements, so a load
-spike from other jobs hits all of them alike; a ratio is the median over rounds of (path / the same
-round's limit), printed with its spread (min–max) and the load average, and "noisy: rerun" instead of
-a ratio when a round strays beyond ±10% (no best-round figure: it cannot be reproduced).
+--natural-lengths EOS ends completions as in training. Every measurement repeats the same work (the
+same prompts, iteration 0's member seeds, the weights reset after each update, untimed). Rounds
+alternate the measurements, --repeats times each inside a round, so a slow spell hits all of them
+alike; a round's figure is its repeats' tokens over their seconds; the limit is the rows-per-call
+setting with the best median; a ratio is the median over rounds of (path / the same round's limit),
+printed with its spread (min–max) and the load average, and "noisy: rerun" instead of a ratio when a
+round strays beyond ±10% (no best-round figure: it cannot be reproduced). Timing runs with glibc's
+malloc thresholds fixed (throughput_tools.steady_allocator; --default-allocator to skip), the memory
+probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
+batching (the engine kept the population hooks of the noise it was built with): figures of
+2026-11-23/24 in RESULTS.md are of that path.
 
     python benchmarks/throughput.py --threads 1 --natural-lengths --limit-rows 240,960 --memory ""      # 5 rounds
     python benchmarks/throughput.py --model 30m --threads 1 --batch 16 --max-tokens 32 \
@@ -49,7 +56,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
-                              load_average, now, ratio_summary)
+                              load_average, now, ratio_summary, steady_allocator)
 
 # --------------------------------------------------------------------- setup
 PHASES = ("noise", "perturb", "generate", "restore", "reward", "update", "other")
@@ -102,6 +109,7 @@ class Bench:
         self.executor = LocalExecutor(engine, self.rewards.score, args.sigma)
         self.timings = Timings()
         self.instrumented = Instrumented(engine, self.executor, self.timings)
+        self.initial_weights = engine.master_state()  # every round starts from these (the same workload)
 
     def rows_per_call(self, label: str) -> int:
         if label.startswith("limit@"):
@@ -115,6 +123,16 @@ class Bench:
         engine, executor = self.engine, self.executor
         self.instrumented.bind(path)
         engine.noise = path.split("-")[1].split("+")[0]
+        # the engine chose its population hooks from the noise it was built with (iid: each member's own
+        # weights): follow the switch, else "batched-lowrank" would time full-rank batching
+        from esft.engines.fullrank_population import FullRankPopulation
+        from esft.engines.population import LowRankPopulation, _population_class
+
+        if engine.noise == "lowrank":
+            vars(engine).pop("population_class", None)
+        else:
+            engine.population_class = FullRankPopulation
+        assert (_population_class(engine) is LowRankPopulation) == (engine.noise == "lowrank"), path
         engine.rank = self.args.rank
         executor.population_batching = path.startswith("batched")
         # scoring waits for each member (clean attribution) unless the path says "+overlap"
@@ -148,6 +166,7 @@ class Bench:
         _, coefficients = strategy.tell(state, [m.reward for m in members], self.args.sigma / 2)
         self.executor.update(seeds, coefficients)
         finished = now()
+        self.engine.load_master_state(self.initial_weights)  # untimed: the next round measures the same work
         count = sum(m.num_tokens for m in members)
         assert self.args.natural_lengths or count == self.tokens, (count, self.tokens)
         record = {"mean_reward": float(np.mean([m.reward for m in members])), "tokens": count}
@@ -158,6 +177,14 @@ class Bench:
             record[name] = {"evaluation": evaluated[clock] - started[clock] - breakdown["reward"],
                             "iteration": total, "breakdown": breakdown}
         return record
+
+
+def summed(records: list[dict]) -> dict:
+    """Repeated measurements of one side as one: numbers added up, nested records field by field."""
+    first = records[0]
+    if isinstance(first, dict):
+        return {key: first[key] if key == "mean_reward" else summed([record[key] for record in records]) for key in first}
+    return sum(records) if isinstance(first, (int, float)) else first
 
 
 # ------------------------------------------------------------------- memory
@@ -221,6 +248,9 @@ def main() -> None:
     parser.add_argument("--reward-cost-ms", type=float, default=0.0,
                         help="simulate an expensive user reward: sandboxed, burning this many ms of CPU per member")
     parser.add_argument("--sigma", type=float, default=1e-3)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measurements of each side per round, alternating; a round's figure sums them (a "
+                             "single ~4 s measurement varies by ±8%% on this machine, so one per round is noisy)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (ratios: medians over them); 0: only the memory measurements")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--memory", default="limit,seq-iid,batched-lowrank",
@@ -234,6 +264,8 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the rounds, profile (torch.profiler) the limit at ROWS rows per call and one "
                              "iteration of each path; print the top operators by self CPU time")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="time with glibc's default malloc thresholds (noisier: see throughput_tools.steady_allocator)")
     args = parser.parse_args()
     if args.memory_probe:
         memory_probe(args)
@@ -244,10 +276,12 @@ def main() -> None:
         memory_report(args, [f"limit@{args.population * batched_size}" if m == "limit" else m
                              for m in args.memory.split(",") if m])
         return
+    allocator = "allocator: the system's defaults (--default-allocator)" if args.default_allocator else steady_allocator()
     sampler = RSSSampler()
     import torch
 
     bench = Bench(args, sampler)
+    sampler.stop()  # its thread would share the timed process's CPU clock and GIL (memory is probed apart)
     paths = []
     for path in (p for p in args.paths.split(",") if p):
         if "lowrank" in path and not _has_lowrank():
@@ -259,10 +293,14 @@ def main() -> None:
     tokens = bench.tokens
     results: dict[str, list[dict]] = defaultdict(list)
     for round_index in range(args.rounds):
-        for count in limit_rows:  # 1. the limit, at every rows-per-call setting
-            results[f"limit@{count}"].append(bench.limit(count))
-        for path in paths:  # 2 + 3. one ES iteration per path
-            results[path].append(bench.iteration(path, round_index))
+        samples = defaultdict(list)
+        for _ in range(args.repeats):  # alternating inside the round too: a slow spell hits every side alike
+            for count in limit_rows:  # 1. the limit, at every rows-per-call setting
+                samples[f"limit@{count}"].append(bench.limit(count))
+            for path in paths:  # 2 + 3. one ES iteration per path
+                samples[path].append(bench.iteration(path, 0))  # the same seeds and weights every time
+        for label, records in samples.items():  # a round's figure: its repeats' tokens over their seconds
+            results[label].append(summed(records))
         print(f"round {round_index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     sampler.stop()
     if args.profile:
@@ -275,8 +313,8 @@ def main() -> None:
     print(f"population {args.population} × batch {args.batch} × {args.max_tokens} tokens = "
           f"{'up to ' if args.natural_lengths else ''}{tokens} tokens per iteration ({lengths}); prompts {bench.prompt_length} tokens (padded); rows per generate call: "
           f"sequential {bench.seq_size}, batched {args.population * bench.batched_size}; torch threads "
-          f"{torch.get_num_threads()}; rank {args.rank}; {args.rounds} rounds, medians")
-    summary = {"args": vars(args), "tokens": tokens, "limit": {}, "paths": {}}
+          f"{torch.get_num_threads()}; rank {args.rank}; {args.rounds} rounds, medians; {allocator}")
+    summary = {"args": vars(args), "tokens": tokens, "limit": {}, "paths": {}, "rounds": dict(results)}
     best = {}
     print("\n1. limit: unperturbed batched greedy generation of all population × batch prompts")
     for clock in ("wall", "cpu"):
@@ -289,14 +327,16 @@ def main() -> None:
     print(f"   limit = best: {summary['limit']['wall'][best['wall']]:,.0f} tokens/s wall ({best['wall']} rows), "
           f"{summary['limit']['cpu'][best['cpu']]:,.0f} per CPU-s ({best['cpu']} rows)")
 
-    def round_limit(clock, round_index):
-        return max(results[f"limit@{count}"][round_index]["tokens"] / results[f"limit@{count}"][round_index][clock]
-                   for count in limit_rows)
+    def round_limit(clock, round_index):  # the best setting by its median, this round's sample of it (the
+        # best of several noisy samples per round would bias every ratio low)
+        measured = results[f"limit@{best[clock]}"][round_index]
+        return measured["tokens"] / measured[clock]
 
     for clock in ("cpu", "wall"):
         print(f"\n2/3. ES iteration, {clock} clock: tokens/s of the evaluation phase (2) and the full iteration (3); "
               f"ratios: median over rounds of (path / the same round's limit) with min–max, 'noisy: rerun' beyond "
-              f"±10%; breakdown of the median round, seconds; {load_average()}")
+              f"±10%; seconds per iteration and their breakdown: the median round's, over its {args.repeats} repeats; "
+              f"{load_average()}")
         print(f"{'path':<16} {'eval tok/s':>10} {'2/1 (median, min–max)':>40} {'iter s':>7} {'3/1 (median, min–max)':>40}  "
               + "".join(f"{k:>9}" for k in PHASES))
         for path in paths:
@@ -304,16 +344,17 @@ def main() -> None:
             ratio2 = ratio_summary([r["tokens"] / r[clock]["evaluation"] / round_limit(clock, i) for i, r in enumerate(rounds)])
             ratio3 = ratio_summary([r["tokens"] / r[clock]["iteration"] / round_limit(clock, i) for i, r in enumerate(rounds)])
             chosen = sorted(rounds, key=lambda r: r[clock]["evaluation"])[(len(rounds) - 1) // 2]
-            b = chosen[clock]["breakdown"]
+            b = {k: v / args.repeats for k, v in chosen[clock]["breakdown"].items()}  # per iteration
+            seconds = chosen[clock]["iteration"] / args.repeats
             summary["paths"].setdefault(path, {})[clock] = {"ratio_eval": ratio2, "ratio_iteration": ratio3,
                                                             "median_round": chosen[clock]}
             shown3 = format_ratio(ratio3, percent=True)
             if path.endswith("+overlap"):  # scoring overlaps generation: only the full iteration is measured
-                print(f"{path:<16} {'-':>10} {'-':>40} {chosen[clock]['iteration']:>7.2f} {shown3:>40}  "
+                print(f"{path:<16} {'-':>10} {'-':>40} {seconds:>7.2f} {shown3:>40}  "
                       + "".join(f"{b[k]:>8.2f}s" if k != "other" else f"{'-':>9}" for k in PHASES))
                 continue
             print(f"{path:<16} {chosen['tokens'] / chosen[clock]['evaluation']:>10,.0f} {format_ratio(ratio2, percent=True):>40}"
-                  f" {chosen[clock]['iteration']:>7.2f} {shown3:>40}  "
+                  f" {seconds:>7.2f} {shown3:>40}  "
                   + "".join(f"{b[k]:>8.2f}s" for k in PHASES))
     for path in paths:
         summary["paths"][path]["rounds"] = results[path]

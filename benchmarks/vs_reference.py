@@ -13,8 +13,11 @@ update) on a TransformersEngine, all with --mini-batch-size auto:
               model: each member's own weights, esft.engines.fullrank_population)
   preset      the demo preset (low-rank noise rank 1, population batching)
 Same model, prompts (Countdown, natural completion lengths: EOS ends them), population and token
-budget (max new tokens). Rounds alternate the paths (a load spike hits all alike); each round uses
-the next iteration's seeds and prompt batch for every path. Times are this process's CPU seconds
+budget (max new tokens). Rounds alternate the paths, --repeats times each inside a round (a slow
+spell hits all alike); every measurement repeats the same work: the first iteration's seeds and prompt
+batch, each path's weights reset to the starting ones after it (untimed), so rounds differ only by the
+machine's noise; glibc's malloc thresholds are fixed for the run (throughput_tools.steady_allocator;
+--default-allocator to skip). Times are this process's CPU seconds
 (with --threads 1 barely disturbed by other jobs) and wall seconds, medians over rounds; the ratio
 is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
 (min–max) and the load average; a spread beyond ±10% prints "noisy: rerun" instead of a ratio.
@@ -37,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model, format_ratio, load_average, ratio_summary  # noqa: E402
+from throughput_tools import build_model, format_ratio, load_average, ratio_summary, steady_allocator  # noqa: E402
 
 
 class ReferenceLoop:
@@ -46,6 +49,7 @@ class ReferenceLoop:
     def __init__(self, model, tokenizer, sigma: float, alpha: float, max_tokens: int):
         import torch
 
+        self.initial = {name: tensor.clone() for name, tensor in model.state_dict().items()}
         self.model, self.tokenizer, self.sigma, self.alpha = model.eval().requires_grad_(False), tokenizer, sigma, alpha
         self.max_tokens = max_tokens
         self.device = next(model.parameters()).device
@@ -85,6 +89,9 @@ class ReferenceLoop:
                 param.add_(total, alpha=self.alpha / len(seeds))
         return rewards
 
+    def reset(self) -> None:
+        self.model.load_state_dict(self.initial)
+
 
 class EsftPath:
     """One of esft's paths: an engine, an executor, the strategy and the update, as the trainer runs them."""
@@ -105,6 +112,7 @@ class EsftPath:
         batched = resolve_population_batching(settings, lambda: population_batching_problem(self.engine))
         self.executor = LocalExecutor(self.engine, self.rewards.score, args.sigma, population_batching=batched)
         self.alpha = args.sigma / 2
+        self.initial = self.engine.master_state()
 
     def iteration(self, seeds, batch) -> list[float]:
         from esft.es import strategy
@@ -113,6 +121,9 @@ class EsftPath:
         _, coefficients = strategy.tell(strategy.ESState(0, 0), [m.reward for m in members], self.alpha)
         self.executor.update(seeds, coefficients)
         return [m.reward for m in members]
+
+    def reset(self) -> None:
+        self.engine.load_master_state(self.initial)
 
 
 def _mini_batch(value: str):
@@ -127,6 +138,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sigma", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; ratios are medians over them")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="measurements of each path per round, alternating; a round's figure is their mean")
+    parser.add_argument("--default-allocator", action="store_true",
+                        help="time with glibc's default malloc thresholds (noisier: see throughput_tools.steady_allocator)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paths", default="reference,sequential,default,preset")
     parser.add_argument("--mini-batch", default="auto", help="prompts per generate call of esft's paths (auto or a number)")
@@ -143,10 +158,12 @@ def main() -> None:
     from esft.tasks.countdown_task import make_countdown_task
 
     torch.set_num_threads(args.threads)
+    allocator = "allocator: the system's defaults" if args.default_allocator else steady_allocator()
     task = make_countdown_task(seed=0, difficulty="easy")
     paths = args.paths.split(",")
     print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
-          f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds, natural completion lengths")
+          f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
+          f"repeats, natural completion lengths; {allocator}")
     for size in (int(s) for s in args.prompts.split(",")):
         runners = {}
         for name in paths:  # each path on its own copy of the same model
@@ -157,22 +174,26 @@ def main() -> None:
         cpu: dict[str, list[float]] = {name: [] for name in paths}
         wall: dict[str, list[float]] = {name: [] for name in paths}
         tokens: dict[str, float] = {}
-        for round_ in range(args.rounds):
-            state = strategy.ESState(0, round_)
-            seeds = strategy.ask(state, args.population)
-            batch = prompt_batch(task.train_dataset, 0, size, round_)
+        seeds = strategy.ask(strategy.ESState(0, 0), args.population)  # the same work every round
+        batch = prompt_batch(task.train_dataset, 0, size, 0)
+        for _ in range(args.rounds):
             for name in paths:
-                runner = runners[name]
-                started_wall, started_cpu = time.perf_counter(), time.process_time()
-                if name == "reference":
-                    rewards = runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
-                else:
-                    rewards = runner.iteration(seeds, batch)
-                if args.device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                cpu[name].append(time.process_time() - started_cpu)
-                wall[name].append(time.perf_counter() - started_wall)
-                tokens[name] = float(np.mean(rewards))
+                cpu[name].append(0.0)
+                wall[name].append(0.0)
+            for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their sum
+                for name in paths:
+                    runner = runners[name]
+                    started_wall, started_cpu = time.perf_counter(), time.process_time()
+                    if name == "reference":
+                        rewards = runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
+                    else:
+                        rewards = runner.iteration(seeds, batch)
+                    if args.device.startswith("cuda"):
+                        torch.cuda.synchronize()
+                    cpu[name][-1] += (time.process_time() - started_cpu) / args.repeats
+                    wall[name][-1] += (time.perf_counter() - started_wall) / args.repeats
+                    runner.reset()  # untimed: the next measurement starts from the same weights
+                    tokens[name] = float(np.mean(rewards))
         clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
         print(f"\n## {size} prompts per iteration ({described}); {load_average()}")
         which = "wall" if clock is wall else "CPU"

@@ -137,15 +137,16 @@ def test_full_rank_members_per_call_fill_a_call_with_all_prompts_each(iid_engine
     from esft.engines.sizing import CPU_TARGET_ROWS
 
     prompts = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 200, 0).prompts
-    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts[:32]) == CPU_TARGET_ROWS // 32  # 16 members
-    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts) == CPU_TARGET_ROWS // 200  # 2 members
-    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts[:3]) == 30
+    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts[:64]) == CPU_TARGET_ROWS // 64  # 16 members
+    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts) == CPU_TARGET_ROWS // 200  # 5 members
+    assert FullRankPopulation.members_per_call(iid_engine, 30, prompts[:32]) == 30  # 32 rows each: all in one call
 
 
 def test_auto_rows_per_call_fit_the_cpu_target_and_memory(engine):
     from esft.engines.sizing import CPU_TARGET_ROWS, auto_prompts_per_call, bytes_per_row
 
-    assert auto_prompts_per_call(engine.model, 200, 30, 90) == CPU_TARGET_ROWS // 30  # 17 prompts × 30 members
+    assert auto_prompts_per_call(engine.model, 200, 30, 90) == CPU_TARGET_ROWS // 30  # 34 prompts × 30 members
+    assert auto_prompts_per_call(engine.model, 32, 30, 90) == 32  # the demo's 32 prompts × 30 members: one call
     assert auto_prompts_per_call(engine.model, 200, 1, 90) == 200  # one member: the whole batch fits
     assert auto_prompts_per_call(engine.model, 2000, 1, 90) == CPU_TARGET_ROWS
     assert auto_prompts_per_call(engine.model, 3, 30, 90) == 3

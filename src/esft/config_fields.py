@@ -42,7 +42,7 @@ class RunFields:
     max_tokens: int = _in("model and engine", "Most new tokens generated per completion.", default=64)
     mini_batch_size: int | str | None = _in(
         "model and engine",
-        "Prompts per generate call: memory and speed only, results are identical. auto: about 512 rows per "
+        "Prompts per generate call: memory and speed only, results are identical. auto: about 1024 rows per "
         "call on CPU (the fastest measured; population batching brings one row per member and prompt), as "
         "many as fit in half the free memory on a GPU (esft.engines.sizing); a number; or unset for the whole "
         "batch in one call.",
@@ -125,7 +125,7 @@ class RunFields:
         "Evaluate members together in batched generate calls (the transformers engine; with --executor ray "
         "each actor batches an equal share). --noise lowrank: the unperturbed weights' matmuls are shared "
         "and each member's low-rank term is added to its rows. iid/correlated: each member's rows use its "
-        "own weights, saving calls, not arithmetic: members per call are as many as bring ~512 rows on CPU "
+        "own weights, saving calls, not arithmetic: members per call are as many as bring ~1024 rows on CPU "
         "(from free memory on a GPU) with all prompts each and fit in a quarter of free memory; one per call "
         "when a member's prompts already fill a call. Same completions as one member at a time, faster. "
         "auto: on for the transformers engine when the model passes the batched path's check (else one "

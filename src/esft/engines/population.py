@@ -162,29 +162,25 @@ class LowRankPopulation(MemberRows):
         return self._matmul_hook(left, right) if kind == "matmul" else self._lookup_hook(left, right, module.num_embeddings)
 
     def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
-        """Decoding steps (one position per row) multiply the rows with every member's factors in one
-        product (a few extra multiply-adds, far fewer calls) and keep each row's own member's part;
-        prompts (several positions) use one product per member."""
-        members_count, features, rank = left.shape
-        # every member's left factor side by side (in, N·r): one product serves all members' rows
-        left_all = left.permute(1, 0, 2).reshape(features, members_count * rank).contiguous()
+        """x·left for each row with its own member's factor only. Member-major rows: one batched product
+        (left as (N, r, in) against the rows transposed: the product shape CPU kernels run fast at small r;
+        multiplying every row by every member's factors cost up to 90% of a 128-wide layer,
+        benchmarks/RESULTS.md). Rows left after the decoder dropped finished ones (one position each):
+        each row's factor gathered and a per-row dot product."""
+        left_by_member = left.transpose(1, 2).contiguous()  # (N, r, in)
         per_row = self._per_row(right)
 
         def hook(module, args, output):
             x = args[0]
             members = self._member_of_row
             if members is None:  # member-major: (N, rows·positions, in)
-                positions = x.shape[-2] if x.dim() == 3 else 1
                 x = x.reshape(self._members(x), -1, x.shape[-1])
-                if positions > 1:  # prompts: one product per member
-                    return _add_rows(output, members_count, torch.bmm(x, left), right)
-                low = (x @ left_all).view(members_count, x.shape[1], members_count, rank)
-                low = torch.diagonal(low, dim1=0, dim2=2).permute(2, 0, 1)  # member m's rows, m's factors: a view
-                return _add_rows(output, members_count, low, right)
+                low = torch.bmm(left_by_member, x.transpose(1, 2)).transpose(1, 2)  # (N, rows·positions, r)
+                return _add_rows(output, self.size, low, right)
             (right_rows,) = per_row()  # (rows, r, out)
-            x = x.reshape(len(members), -1, x.shape[-1])  # (rows, positions, in)
-            low = (x @ left_all).view(len(members), x.shape[1], members_count, rank)
-            return _add_rows(output, len(members), low[torch.arange(len(members)), :, members], right_rows)
+            x = x.reshape(len(members), -1, 1, x.shape[-1])  # (rows, positions, 1, in)
+            low = (x * left_by_member[members].unsqueeze(1)).sum(-1)  # (rows, positions, r)
+            return _add_rows(output, len(members), low, right_rows)
 
         return hook
 
