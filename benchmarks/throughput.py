@@ -56,7 +56,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
-                              load_average, now, ratio_summary, steady_allocator)
+                              cpu_description, load_average, now, ratio_summary,
+                              steady_allocator)
 
 # --------------------------------------------------------------------- setup
 PHASES = ("noise", "perturb", "generate", "restore", "reward", "update", "other")
@@ -359,7 +360,7 @@ def main() -> None:
     for path in paths:
         summary["paths"][path]["rounds"] = results[path]
     summary["limit_rounds"] = {k: v for k, v in results.items() if k.startswith("limit@")}
-    summary["machine"] = {"cpu": _cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+    summary["machine"] = {"cpu": cpu_description(), "cores": os.cpu_count(), "python": platform.python_version(),
                           "torch": torch.__version__, "load_at_end": os.getloadavg(),
                           "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     print(f"\nmachine: {summary['machine']['cpu']}, {os.cpu_count()} cores, torch {torch.__version__}, "
@@ -405,16 +406,6 @@ def _has_lowrank() -> bool:
     from esft.es import noise
 
     return "lowrank" in noise.NOISE_SCHEMES
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -164,24 +164,35 @@ class Instrumented:
 
 # --------------------------------------------------------------- allocator
 def steady_allocator() -> str:
-    """Fix glibc malloc's thresholds for this process (mallopt, as the MALLOC_*_ variables would at start):
-    blocks up to 32 MiB come from the heap and freed memory is kept. By default glibc raises its mmap
-    threshold as blocks are freed and returns memory to the system, so an identical generate call pays a
-    varying number of page faults: measured here, 13% of a call's CPU time in the kernel and ±18% between
-    identical rounds. Applied to every side of a comparison alike. Returns what was done, for the header."""
-    import ctypes
-    import ctypes.util
+    """glibc's malloc thresholds fixed for the timing process, as `esft train` does (esft.allocator: page
+    faults made identical generate calls vary ±18%); applied to every side of a comparison alike."""
+    from esft.allocator import steady_allocator as fix_thresholds
 
+    return fix_thresholds()
+
+
+def cpu_description() -> str:
+    """The CPU's model name and last-level cache: virtual machines of one name ran this project's decoder at
+    7,100 and 14,000 tokens per CPU-second (2026-11-25, benchmarks/RESULTS.md), with other ratios; the
+    cache size tells the hosts apart."""
+    import platform
+
+    name = platform.processor() or "unknown CPU"
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return "allocator: the system's defaults (no glibc mallopt here)"
-    m_trim_threshold, m_top_pad, m_mmap_threshold = -1, -2, -3
-    settings = ((m_mmap_threshold, 32 * MB), (m_trim_threshold, 2**31 - 1), (m_top_pad, 256 * MB))
-    if not all(mallopt(option, value) == 1 for option, value in settings):
-        return "allocator: the system's defaults (mallopt refused)"
-    return "allocator: glibc, fixed thresholds (mmap 32 MiB, no trimming; throughput_tools.steady_allocator)"
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    caches = sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"))
+    try:
+        size = caches[-1].read_text().strip() if caches else ""
+    except OSError:
+        size = ""
+    if size.endswith("K") and size[:-1].isdigit():
+        size = f"{int(size[:-1]) / 1024:g} MiB"
+    return f"{name}, last-level cache {size}" if size else name
 
 
 # ------------------------------------------------------------------ ratios

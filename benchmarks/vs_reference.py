@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model, format_ratio, load_average, ratio_summary, steady_allocator  # noqa: E402
+from throughput_tools import build_model, cpu_description, format_ratio, load_average, ratio_summary, steady_allocator  # noqa: E402
 
 
 class ReferenceLoop:
@@ -163,7 +163,7 @@ def main() -> None:
     paths = args.paths.split(",")
     print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
           f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
-          f"repeats, natural completion lengths; {allocator}")
+          f"repeats, natural completion lengths; {allocator}; {cpu_description()}")
     for size in (int(s) for s in args.prompts.split(",")):
         runners = {}
         for name in paths:  # each path on its own copy of the same model

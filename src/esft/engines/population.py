@@ -166,9 +166,10 @@ class LowRankPopulation(MemberRows):
         (left as (N, r, in) against the rows transposed: the product shape CPU kernels run fast at small r;
         multiplying every row by every member's factors cost up to 90% of a 128-wide layer,
         benchmarks/RESULTS.md). Rows left after the decoder dropped finished ones (one position each):
-        each row's factor gathered and a per-row dot product."""
+        each row's factors gathered once per dropped-rows event (not per step: that halved the hook's cost
+        there) and a per-row dot product."""
         left_by_member = left.transpose(1, 2).contiguous()  # (N, r, in)
-        per_row = self._per_row(right)
+        per_row = self._per_row(left_by_member, right)
 
         def hook(module, args, output):
             x = args[0]
@@ -177,9 +178,9 @@ class LowRankPopulation(MemberRows):
                 x = x.reshape(self._members(x), -1, x.shape[-1])
                 low = torch.bmm(left_by_member, x.transpose(1, 2)).transpose(1, 2)  # (N, rows·positions, r)
                 return _add_rows(output, self.size, low, right)
-            (right_rows,) = per_row()  # (rows, r, out)
+            left_rows, right_rows = per_row()  # (rows, r, in), (rows, r, out)
             x = x.reshape(len(members), -1, 1, x.shape[-1])  # (rows, positions, 1, in)
-            low = (x * left_by_member[members].unsqueeze(1)).sum(-1)  # (rows, positions, r)
+            low = (x * left_rows.unsqueeze(1)).sum(-1)  # (rows, positions, r)
             return _add_rows(output, len(members), low, right_rows)
 
         return hook
