@@ -3,12 +3,16 @@ evaluating the same members × prompts rows, rounds alternating:
 
 - one member at a time: perturb in place (low-rank), generate the member's prompts, restore;
 - the adapter population: every member a LoRA adapter, ONE generate (esft's --engine vllm --noise lowrank);
-- plain batched generation of the same members × prompts rows without adapters (this engine's limit).
+- plain batched generation of the same members × prompts rows without adapters (this engine's limit);
+- with --reference-lora-ops, also the adapter population on vLLM's reference CPU LoRA ops (vllm/lora/ops/
+  torch_ops) instead of esft's (esft.engines.vllm_cpu_lora), same engine, same rounds, and whether both
+  gave the same completions.
 
 Also the agreement of the adapter members' completions with the transformers engine's low-rank
 population path (same seeds), as in vllm_agreement.py.
 
     OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --model embedded --prompts 32 --population 30 --rounds 3
+    OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --prompts 32 --population 30 --rounds 5 --max-tokens 32 --reference-lora-ops
     OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --model 30m --prompts 200 --population 30 --rounds 3
 
 `--model 30m` is benchmarks/throughput.py's 30M-parameter Llama built from a config (throughput_tools.build_model),
@@ -56,6 +60,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--sigma", type=float, default=1e-3)
+    parser.add_argument("--reference-lora-ops", action="store_true",
+                        help="also time the adapters on vLLM's reference CPU LoRA ops (CPU only)")
     opts = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="esft-vllm-adapters-") as tmp:
         measure(opts, model_directory(opts.model, Path(tmp)))
@@ -73,6 +79,12 @@ def measure(opts, path: str) -> None:
                         gpu_memory_utilization=0.2)
     seeds = list(range(1000, 1000 + opts.population))
     times: dict[str, list[float]] = {"one_at_a_time": [], "adapters": [], "plain_batched": []}
+    ops = engine._rpc("esft_cpu_lora_ops", None)[0]
+    if opts.reference_lora_ops:
+        if not ops["esft"]:
+            raise SystemExit("esft's CPU LoRA ops are not in effect in this engine (not CPU, or another vLLM)")
+        times["adapters_reference_ops"] = []
+    reference_members = None
     for _ in range(opts.rounds):
         start = time.perf_counter()
         for seed in seeds:
@@ -83,6 +95,12 @@ def measure(opts, path: str) -> None:
         start = time.perf_counter()
         members = engine.generate_population(prompts, seeds, opts.sigma)
         times["adapters"].append(time.perf_counter() - start)
+        if opts.reference_lora_ops:
+            engine._rpc("esft_cpu_lora_ops", False)
+            start = time.perf_counter()
+            reference_members = engine.generate_population(prompts, seeds, opts.sigma)
+            times["adapters_reference_ops"].append(time.perf_counter() - start)
+            engine._rpc("esft_cpu_lora_ops", True)
         start = time.perf_counter()
         engine.generate(prompts * len(seeds))
         times["plain_batched"].append(time.perf_counter() - start)
@@ -92,14 +110,29 @@ def measure(opts, path: str) -> None:
     same = sum(a == b for m, e in zip(members, expected) for a, b in zip(m.token_ids, e.token_ids))
     engine.close()
     median = {name: statistics.median(values) for name, values in times.items()}
-    ratios = [a / b for a, b in zip(times["adapters"], times["plain_batched"])]
-    print(json.dumps({
+    def spread(numerators, denominators):
+        ratios = [a / b for a, b in zip(numerators, denominators)]
+        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+    report = {
         "model": opts.model, "prompts": opts.prompts, "population": opts.population, "rounds": opts.rounds,
-        "seconds": times, "median": median,
+        "max_tokens": opts.max_tokens, "esft_cpu_lora_ops": ops["esft"], "seconds": times, "median": median,
+        "min": {name: min(values) for name, values in times.items()},
+        "max": {name: max(values) for name, values in times.items()},
         "speedup_adapters_vs_one_at_a_time": median["one_at_a_time"] / median["adapters"],
-        "adapters_over_plain_batched": {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)},
+        "speedup_per_round": spread(times["one_at_a_time"], times["adapters"]),
+        "adapters_over_plain_batched": spread(times["adapters"], times["plain_batched"]),
         "completions_identical_to_transformers": f"{same}/{len(seeds) * len(prompts)}",
-    }, indent=1))
+    }
+    if opts.reference_lora_ops:
+        report["reference_ops"] = {
+            "speedup_vs_one_at_a_time": median["one_at_a_time"] / median["adapters_reference_ops"],
+            "speedup_per_round": spread(times["one_at_a_time"], times["adapters_reference_ops"]),
+            "over_esft_ops_per_round": spread(times["adapters_reference_ops"], times["adapters"]),
+            "completions_identical_to_esft_ops": sum(
+                a == b for m, e in zip(members, reference_members) for a, b in zip(m.token_ids, e.token_ids)),
+        }
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
+from esft.engines import vllm_cpu_lora
 from esft.engines.vllm_adapters import AdapterWorker, LoRAESWorker, lora_unwrapped, pack_state
 from esft.es import lowrank
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
@@ -68,6 +69,7 @@ def _install_cpu_dispatch_patch() -> None:
 
 
 _install_cpu_dispatch_patch()
+vllm_cpu_lora.install()  # CPU LoRA: esft's ops for vLLM's reference ones (same results, see that module)
 
 
 def to_bytes(tensor: torch.Tensor) -> bytes:
@@ -144,6 +146,13 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
                     layer.cpu_linear = _plain_linear
                 else:
                     layer._esft_dispatch(layer, remove_weight=False)
+
+    def esft_cpu_lora_ops(self, fast: bool | None = None) -> dict:
+        """CPU LoRA ops of this worker (esft.engines.vllm_cpu_lora): switch them (True: esft's, False:
+        vLLM's reference) unless None; returns whether esft's are in effect and how often each ran."""
+        if fast is not None:
+            vllm_cpu_lora.use(fast)
+        return {"esft": vllm_cpu_lora.active(), "calls": dict(vllm_cpu_lora.CALLS)}
 
     def _esft_probe(self, model, hf_name: str, shape: tuple[int, ...]) -> list[Block]:
         """Where vLLM's loaders put each element of HF tensor `hf_name` (on this rank)."""
