@@ -73,8 +73,12 @@ def measure(opts, path: str) -> None:
     from esft.engines.vllm_adapters import servable_pattern
     from esft.engines.vllm_engine import VLLMEngine
 
-    prompts = [f"Using the numbers [{i} {i + 3} {2 * i + 1}], create an equation that equals {3 * i + 4}." for i in
-               range(opts.prompts)]
+    from esft.es.batches import prompt_batch
+    from esft.tasks.countdown_task import make_countdown_task
+
+    # the Countdown task's own prompts, as training sees them (hand-written strings made the embedded
+    # model answer EOS at once: one-token completions measured per-request costs, not generation)
+    prompts = prompt_batch(make_countdown_task(seed=0, difficulty="easy").train_dataset, 0, opts.prompts, 0).prompts
     engine = VLLMEngine(path, noise="lowrank", rank=1, max_tokens=opts.max_tokens, max_loras=min(opts.population, 64),
                         gpu_memory_utilization=0.2)
     seeds = list(range(1000, 1000 + opts.population))
