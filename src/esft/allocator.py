@@ -7,7 +7,7 @@ identical calls. Fixing the thresholds (what the MALLOC_*_ environment variables
 keeps blocks up to 32 MiB in the heap and freed memory in the process: `esft train` on the demo ran
 1.14× faster per iteration (1.11–1.14× over 3 alternating rounds, benchmarks/allocator_speed.py). The cost is
 memory: the process keeps its peak heap until it exits (a training run reaches it every iteration anyway) and
-grows it in 256 MiB steps (peak RSS of a 6-iteration demo: 988–1,162 MiB against 828–1,042 MiB with glibc's defaults).
+grows it in 256 MiB steps (peak RSS of a 6-iteration demo: 965–1,135 MiB against 828–1,018 MiB with glibc's defaults).
 
 A user who sets any of the MALLOC_*_ variables keeps their own choice; other C libraries are left alone.
 """
