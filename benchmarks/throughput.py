@@ -27,7 +27,7 @@ alike; a round's figure is its repeats' tokens over their seconds; the limit is 
 setting with the best median; a ratio is the median over rounds of (path / the same round's limit),
 printed with its spread (min–max) and the load average, and "noisy: rerun" instead of a ratio when a
 round strays beyond ±10% (no best-round figure: it cannot be reproduced). Timing runs with glibc's
-malloc thresholds fixed (throughput_tools.steady_allocator; --default-allocator to skip), the memory
+malloc thresholds fixed (esft.allocator; --default-allocator to skip), the memory
 probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
 batching (the engine kept the population hooks of the noise it was built with): figures of
 2026-11-23/24 in RESULTS.md are of that path.
@@ -56,8 +56,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
-                              cpu_description, load_average, now, ratio_summary,
-                              steady_allocator)
+                              cpu_description, load_average, now, ratio_summary)
+from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 
 # --------------------------------------------------------------------- setup
 PHASES = ("noise", "perturb", "generate", "restore", "reward", "update", "other")
@@ -266,7 +266,7 @@ def main() -> None:
                         help="after the rounds, profile (torch.profiler) the limit at ROWS rows per call and one "
                              "iteration of each path; print the top operators by self CPU time")
     parser.add_argument("--default-allocator", action="store_true",
-                        help="time with glibc's default malloc thresholds (noisier: see throughput_tools.steady_allocator)")
+                        help="time with glibc's default malloc thresholds (noisier: see esft.allocator)")
     args = parser.parse_args()
     if args.memory_probe:
         memory_probe(args)

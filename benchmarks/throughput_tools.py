@@ -162,15 +162,7 @@ class Instrumented:
             setattr(self.engine, name, self.timed(name, method, exclude_noise=name in ("perturb", "update")))
 
 
-# --------------------------------------------------------------- allocator
-def steady_allocator() -> str:
-    """glibc's malloc thresholds fixed for the timing process, as `esft train` does (esft.allocator: page
-    faults made identical generate calls vary ±18%); applied to every side of a comparison alike."""
-    from esft.allocator import steady_allocator as fix_thresholds
-
-    return fix_thresholds()
-
-
+# ----------------------------------------------------------------- machine
 def cpu_description() -> str:
     """The CPU's model name and last-level cache: virtual machines of one name ran this project's decoder at
     7,100 and 14,000 tokens per CPU-second (2026-11-25, benchmarks/RESULTS.md), with other ratios; the

@@ -16,7 +16,7 @@ Same model, prompts (Countdown, natural completion lengths: EOS ends them), popu
 budget (max new tokens). Rounds alternate the paths, --repeats times each inside a round (a slow
 spell hits all alike); every measurement repeats the same work: the first iteration's seeds and prompt
 batch, each path's weights reset to the starting ones after it (untimed), so rounds differ only by the
-machine's noise; glibc's malloc thresholds are fixed for the run (throughput_tools.steady_allocator;
+machine's noise; glibc's malloc thresholds are fixed for the run (esft.allocator;
 --default-allocator to skip). Times are this process's CPU seconds
 (with --threads 1 barely disturbed by other jobs) and wall seconds, medians over rounds; the ratio
 is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
@@ -40,7 +40,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model, cpu_description, format_ratio, load_average, ratio_summary, steady_allocator  # noqa: E402
+from throughput_tools import build_model, cpu_description, format_ratio, load_average, ratio_summary  # noqa: E402
+
+from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 
 
 class ReferenceLoop:
@@ -141,7 +143,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3,
                         help="measurements of each path per round, alternating; a round's figure is their mean")
     parser.add_argument("--default-allocator", action="store_true",
-                        help="time with glibc's default malloc thresholds (noisier: see throughput_tools.steady_allocator)")
+                        help="time with glibc's default malloc thresholds (noisier: see esft.allocator)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--paths", default="reference,sequential,default,preset")
     parser.add_argument("--mini-batch", default="auto", help="prompts per generate call of esft's paths (auto or a number)")
@@ -180,7 +182,7 @@ def main() -> None:
             for name in paths:
                 cpu[name].append(0.0)
                 wall[name].append(0.0)
-            for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their sum
+            for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their mean
                 for name in paths:
                     runner = runners[name]
                     started_wall, started_cpu = time.perf_counter(), time.process_time()

@@ -334,9 +334,9 @@ def main(argv: list[str] | None = None) -> int:
         config, preset, point = resolve_config(args.command, given)
         from esft.allocator import steady_allocator
         from esft.runs.directory import open_run
+        from esft.trainer import ESTrainer
 
         steady_allocator()  # 1.14× faster iterations on CPU without glibc's varying page faults (esft.allocator)
-        from esft.trainer import ESTrainer
 
         try:
             run = open_run(config, point)  # claimed before the model loads: a busy directory fails fast
