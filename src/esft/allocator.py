@@ -5,7 +5,8 @@ system, so generate calls that allocate the same tensors again and again pay a v
 faults: measured on this project's 2-core CPU, 13% of a call's CPU time in the kernel and ±18% between
 identical calls. Fixing the thresholds (what the MALLOC_*_ environment variables would do at start)
 keeps blocks up to 32 MiB in the heap and freed memory in the process: `esft train` on the demo ran
-1.14× faster per iteration (1.11–1.14× over 3 alternating rounds, benchmarks/allocator_speed.py). The cost is
+1.14× and 1.12× faster per iteration in two runs (1.11–1.14×, 1.07–1.20× over 3 alternating rounds,
+benchmarks/allocator_speed.py). The cost is
 memory: the process keeps its peak heap until it exits (a training run reaches it every iteration anyway) and
 grows it in 256 MiB steps (peak RSS of a 6-iteration demo: 965–1,135 MiB against 828–1,018 MiB with glibc's defaults).
 
