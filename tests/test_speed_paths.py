@@ -153,6 +153,41 @@ def test_batched_logits_match_sequential(model_dir, noise):
     assert torch.equal(after, base)
 
 
+def test_modules_reading_one_input_share_one_lowrank_product(model_dir, monkeypatch):
+    """q/k/v (and gate/up) read the same hidden states: one x·[B_q B_k B_v] per layer input, not one per
+    module; logits as with a product per module."""
+    from esft.engines import shared_product
+
+    engine = load_engine(model_dir)
+    names = {id(module): name for name, module in engine.model.named_modules()}
+    population = LowRankPopulation(engine, SEEDS, SIGMA)
+    product_of = {names[id(entry[0])]: entry[2] for entry in population._plan if entry[1] == "matmul"}
+    for layer in range(2):
+        prefix = f"model.layers.{layer}."
+        q, k, v, o = (product_of[prefix + f"self_attn.{p}_proj"] for p in "qkvo")
+        gate, up, down = (product_of[prefix + f"mlp.{p}_proj"] for p in ("gate", "up", "down"))
+        assert q is k is v and gate is up
+        assert len({id(q), id(o), id(gate), id(down)}) == 4
+    assert q.left_by_member.shape == (len(SEEDS), 3 * engine.rank, 32)  # three modules' rank-2 factors
+
+    computed = []
+    real_product = shared_product.SharedProduct._product
+    monkeypatch.setattr(shared_product.SharedProduct, "_product",
+                        lambda self, x: computed.append(self) or real_product(self, x))
+    ids = torch.randint(0, 60, (len(SEEDS), 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), population:
+        shared = engine.model(input_ids=ids).logits
+    with torch.no_grad():
+        group_of = engine._esft_input_groups
+        monkeypatch.setattr(engine, "_esft_input_groups", {key: {} for key in group_of})  # every module alone
+        with LowRankPopulation(engine, SEEDS, SIGMA):
+            alone = engine.model(input_ids=ids).logits
+    assert "lm_head" in product_of  # (tied: the embedding's weight, used again by the head)
+    shared_forward, alone_forward = 2 * 4 + 1, 2 * 7 + 1  # per layer qkv, o, gate/up, down; the head
+    assert len(computed) == shared_forward + alone_forward
+    torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("noise", NOISES)
 def test_batched_greedy_completions_match_sequential(model_dir, noise):
     engine = load_engine(model_dir, max_tokens=12, noise=noise)

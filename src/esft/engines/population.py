@@ -14,7 +14,9 @@ every hooked module must see the batch as the leading dimension of its input (tr
 models, in prefill and in every KV-cached decoding step). A parameter used by several modules (a
 tied embedding / LM head) is one tensor index and gets the same factors in every use. Non-matrix
 tensors (norms, biases) are frozen under low-rank noise, as in the sequential path. Restoring is
-removing the hooks: the weights are never written.
+removing the hooks: the weights are never written. Modules that read the same input tensor (a
+layer's q/k/v projections, its gate/up projections) share one product x_m·[B_q B_k B_v]: the rows,
+memory-bound at small r, are read once per layer input instead of once per module.
 
 `check_population_batching` compares the batched forward with the sequential path (weights
 perturbed in place) once per engine: a model whose perturbed matrices are also used outside these
@@ -30,6 +32,7 @@ import torch
 from torch import nn
 
 from esft.engines.base import Generation, PopulationEngine, generation_from_tokens
+from esft.engines.shared_product import SharedProduct, input_groups
 from esft.es.lowrank import stacked_factors
 from esft.es.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -156,32 +159,43 @@ class LowRankPopulation(MemberRows):
                 f"{unused[0]} is not the weight of an nn.Linear, nn.Embedding or Conv1D module; exclude it "
                 "with --trainable or evaluate members one at a time (no --population-batching)"
             )
+        self._share_inputs(engine)
+
+    def _share_inputs(self, engine) -> None:
+        """Matmul entries become (module, "matmul", shared product, its columns, right): modules that read
+        one input tensor (input_groups) get one SharedProduct over their concatenated left factors."""
+        matmuls = [entry for entry in self._plan if entry[1] == "matmul"]
+        group_of = input_groups(engine, [entry[0] for entry in matmuls])
+        groups: dict = {}
+        for entry in matmuls:
+            alone = ("alone", id(entry[0]))  # not seen in input_groups' pass: a product of its own
+            groups.setdefault((group_of.get(id(entry[0]), alone), entry[2].shape[1]), []).append(entry)
+        shared_entries = {}
+        for entries in groups.values():
+            product = SharedProduct(self, torch.cat([entry[2] for entry in entries], dim=2))
+            start = 0
+            for module, _, left, right in entries:
+                shared_entries[id(module)] = (module, "matmul", product, slice(start, start + left.shape[2]), right)
+                start += left.shape[2]
+        self._plan = [shared_entries.get(id(entry[0]), entry) if entry[1] == "matmul" else entry for entry in self._plan]
 
     def _hook_for(self, entry):
-        module, kind, left, right = entry
-        return self._matmul_hook(left, right) if kind == "matmul" else self._lookup_hook(left, right, module.num_embeddings)
+        if entry[1] == "matmul":
+            return self._matmul_hook(*entry[2:])
+        module, _, table, right = entry
+        return self._lookup_hook(table, right, module.num_embeddings)
 
-    def _matmul_hook(self, left: torch.Tensor, right: torch.Tensor):
-        """x·left for each row with its own member's factor only. Member-major rows: one batched product
-        (left as (N, r, in) against the rows transposed: the product shape CPU kernels run fast at small r;
-        multiplying every row by every member's factors cost up to 90% of a 128-wide layer,
-        benchmarks/RESULTS.md). Rows left after the decoder dropped finished ones (one position each):
-        each row's factors gathered once per dropped-rows event (not per step: that halved the hook's cost
-        there) and a per-row dot product."""
-        left_by_member = left.transpose(1, 2).contiguous()  # (N, r, in)
-        per_row = self._per_row(left_by_member, right)
+    def _matmul_hook(self, product: SharedProduct, columns: slice, right: torch.Tensor):
+        """Adds (x·left)·right to each row with its own member's factors; x·left is this module's columns of
+        the product shared with the modules reading the same input."""
+        per_row = self._per_row(right)
 
         def hook(module, args, output):
-            x = args[0]
-            members = self._member_of_row
-            if members is None:  # member-major: (N, rows·positions, in)
-                x = x.reshape(self._members(x), -1, x.shape[-1])
-                low = torch.bmm(left_by_member, x.transpose(1, 2)).transpose(1, 2)  # (N, rows·positions, r)
+            low = product(args[0])[..., columns]  # (N or rows, positions, r)
+            if self._member_of_row is None:
                 return _add_rows(output, self.size, low, right)
-            left_rows, right_rows = per_row()  # (rows, r, in), (rows, r, out)
-            x = x.reshape(len(members), -1, 1, x.shape[-1])  # (rows, positions, 1, in)
-            low = (x * left_rows.unsqueeze(1)).sum(-1)  # (rows, positions, r)
-            return _add_rows(output, len(members), low, right_rows)
+            (right_rows,) = per_row()  # (rows, r, out): each running row's member's factor
+            return _add_rows(output, len(right_rows), low, right_rows)
 
         return hook
 
