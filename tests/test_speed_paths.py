@@ -188,6 +188,28 @@ def test_modules_reading_one_input_share_one_lowrank_product(model_dir, monkeypa
     torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_a_shared_product_is_recomputed_for_another_or_changed_input(model_dir, monkeypatch):
+    """The sharing is a speed hint: k_proj called on another tensor than q_proj was, or on q_proj's tensor
+    changed in place, gets its own member terms for what it is given."""
+    engine = load_engine(model_dir)
+    attention = engine.model.model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(2)
+    first, second = (torch.randn(len(SEEDS) * 3, 32, generator=generator) for _ in range(2))
+    with torch.no_grad():
+        with LowRankPopulation(engine, SEEDS, SIGMA):
+            attention.q_proj(first)
+            k_of_second = attention.k_proj(second)
+            attention.q_proj(first)
+            first.mul_(2)
+            k_of_changed = attention.k_proj(first)
+        monkeypatch.setattr(engine, "_esft_input_groups", {key: {} for key in engine._esft_input_groups})
+        with LowRankPopulation(engine, SEEDS, SIGMA):  # every module a product of its own
+            expected_second, expected_changed = attention.k_proj(second), attention.k_proj(first)
+    assert not torch.allclose(expected_second, attention.k_proj(second))  # the members' terms are there
+    torch.testing.assert_close(k_of_second, expected_second, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(k_of_changed, expected_changed, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("noise", NOISES)
 def test_batched_greedy_completions_match_sequential(model_dir, noise):
     engine = load_engine(model_dir, max_tokens=12, noise=noise)
