@@ -51,6 +51,16 @@ def model_directory(name: str, tmp: Path) -> str:
     return name
 
 
+def task_prompts(count: int) -> list[str]:
+    """The Countdown task's own first `count` training prompts, as training sees them (hand-written strings
+    made the embedded model answer EOS at once: one-token completions measured per-request costs, not
+    generation)."""
+    from esft.es.batches import prompt_batch
+    from esft.tasks.countdown_task import make_countdown_task
+
+    return prompt_batch(make_countdown_task(seed=0, difficulty="easy").train_dataset, 0, count, 0).prompts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded", help="embedded, 30m (throughput.py's 30M-parameter model), "
@@ -72,13 +82,9 @@ def measure(opts, path: str) -> None:
     from esft.engines.transformers_engine import TransformersEngine
     from esft.engines.vllm_adapters import servable_pattern
     from esft.engines.vllm_engine import VLLMEngine
+    from throughput_tools import ratio_summary
 
-    from esft.es.batches import prompt_batch
-    from esft.tasks.countdown_task import make_countdown_task
-
-    # the Countdown task's own prompts, as training sees them (hand-written strings made the embedded
-    # model answer EOS at once: one-token completions measured per-request costs, not generation)
-    prompts = prompt_batch(make_countdown_task(seed=0, difficulty="easy").train_dataset, 0, opts.prompts, 0).prompts
+    prompts = task_prompts(opts.prompts)
     engine = VLLMEngine(path, noise="lowrank", rank=1, max_tokens=opts.max_tokens, max_loras=min(opts.population, 64),
                         gpu_memory_utilization=0.2)
     seeds = list(range(1000, 1000 + opts.population))
@@ -114,9 +120,8 @@ def measure(opts, path: str) -> None:
     same = sum(a == b for m, e in zip(members, expected) for a, b in zip(m.token_ids, e.token_ids))
     engine.close()
     median = {name: statistics.median(values) for name, values in times.items()}
-    def spread(numerators, denominators):
-        ratios = [a / b for a, b in zip(numerators, denominators)]
-        return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    def spread(numerators, denominators):  # per-round ratios: median, min–max, "noisy" beyond ±10%
+        return ratio_summary([a / b for a, b in zip(numerators, denominators)])
 
     report = {
         "model": opts.model, "prompts": opts.prompts, "population": opts.population, "rounds": opts.rounds,

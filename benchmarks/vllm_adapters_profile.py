@@ -43,8 +43,9 @@ def main() -> None:
     from esft.config import embedded_model_path
     from esft.engines.vllm_engine import VLLMEngine
 
-    prompts = [f"Using the numbers [{i} {i + 3} {2 * i + 1}], create an equation that equals {3 * i + 4}." for i in
-               range(opts.prompts)]
+    from vllm_adapters import task_prompts
+
+    prompts = task_prompts(opts.prompts)  # the task's own (hand-written ones got one-token completions)
     engine = VLLMEngine(str(embedded_model_path()), noise="lowrank", rank=1, max_tokens=opts.max_tokens,
                         max_loras=min(opts.population, 64), gpu_memory_utilization=0.2)
     seeds = list(range(1000, 1000 + opts.population))
