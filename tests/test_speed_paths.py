@@ -188,6 +188,19 @@ def test_modules_reading_one_input_share_one_lowrank_product(model_dir, monkeypa
     torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_rank_one_factors_have_row_major_strides(model_dir):
+    """At rank 1 a single-column product's factors (N, 1, in) must have the strides of a fresh tensor: the
+    (in, 1, 1) that `.contiguous()` leaves on a transposed factor sends CPU bmm down a path 2.5-3.3× slower
+    (benchmarks/RESULTS.md). Every product and output factor of the population is checked."""
+    engine = load_engine(model_dir, rank=1)
+    population = LowRankPopulation(engine, SEEDS, SIGMA)
+    factors = [entry[2].left_by_member for entry in population._plan if entry[1] == "matmul"]
+    factors += [entry[-1] for entry in population._plan]  # each module's output-side factor (N, 1, out)
+    assert any(f.shape[1] == 1 for f in factors[:-len(population._plan)])  # o_proj, down_proj, the head alone
+    for factor in factors:
+        assert factor.stride() == torch.empty(factor.shape).stride(), factor.shape
+
+
 def test_a_shared_product_is_recomputed_for_another_or_changed_input(model_dir, monkeypatch):
     """The sharing is a speed hint: k_proj called on another tensor than q_proj was, or on q_proj's tensor
     changed in place, gets its own member terms for what it is given."""

@@ -69,12 +69,20 @@ class PreallocatedLayer(DynamicLayer):
         return self.length if self.is_initialized else 0
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep only rows `indices` (copying their live positions once)."""
+        """Keep only rows `indices`, copying their live positions once: index_select straight into a new
+        buffer's live part (2-3× faster than indexing the whole buffer, free positions included, on the
+        demo's first drop: benchmarks/RESULTS.md)."""
         if not self.is_initialized:
             return
-        self._keys = self._keys[indices]
-        self._values = self._values[indices]
+        self._keys = _select_live(self._keys, indices, self.length)
+        self._values = _select_live(self._values, indices, self.length)
         self.keys, self.values = self._views()
+
+
+def _select_live(buffer: torch.Tensor, indices: torch.Tensor, length: int) -> torch.Tensor:
+    kept = buffer.new_empty((len(indices),) + tuple(buffer.shape[1:]))
+    torch.index_select(buffer[:, :length], 0, indices, out=kept[:, :length])
+    return kept
 
 
 def decoding_cache(model, capacity: int) -> DynamicCache:

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from esft.engines.base import Generation, PopulationEngine, generation_from_tokens
-from esft.engines.shared_product import SharedProduct, input_groups
+from esft.engines.shared_product import SharedProduct, input_groups, standard_strides
 from esft.es.lowrank import stacked_factors
 from esft.es.noise import LOW_RANK_SCHEMES, perturbs
 
@@ -100,12 +100,13 @@ class MemberRows:
 
     def _per_row(self, *factors: torch.Tensor):
         """A function giving `factors` gathered for the rows still running (member of each row),
-        recomputed only when set_rows changed them: once per dropped-rows event, not per step."""
+        recomputed only when set_rows changed them: once per dropped-rows event, not per step (index_select:
+        3-5× faster than indexing with a tensor at these shapes, benchmarks/RESULTS.md)."""
         cached: list = [None, None]
 
         def gathered():
             if cached[0] != self._rows_version:
-                cached[:] = [self._rows_version, [factor[self._member_of_row] for factor in factors]]
+                cached[:] = [self._rows_version, [factor.index_select(0, self._member_of_row) for factor in factors]]
             return cached[1]
 
         return gathered
@@ -137,15 +138,15 @@ class LowRankPopulation(MemberRows):
                 factors[index] = stacked_factors(member_seeds, index, param.shape, engine.rank, engine.device, engine._generator)
             a, b = factors[index]  # (N, shape[0], r), (N, shape[1], r)
             if isinstance(module, nn.Linear):  # W: out × in -> x·B, then ·(σ/√r)·Aᵀ
-                self._plan.append((module, "matmul", b.to(dtype), (a * scale).transpose(1, 2).to(dtype).contiguous()))
+                self._plan.append((module, "matmul", b.to(dtype), standard_strides((a * scale).transpose(1, 2).to(dtype))))
             elif conv1d is not None and isinstance(module, conv1d):  # W: in × out -> x·A, then ·(σ/√r)·Bᵀ
-                self._plan.append((module, "matmul", a.to(dtype), (b * scale).transpose(1, 2).to(dtype).contiguous()))
+                self._plan.append((module, "matmul", a.to(dtype), standard_strides((b * scale).transpose(1, 2).to(dtype))))
             elif isinstance(module, nn.Embedding):  # W: vocab × dim -> A[ids], then ·(σ/√r)·Bᵀ
                 if module.max_norm is not None:
                     raise PopulationBatchingError(f"{module_name}: nn.Embedding with max_norm is not supported")
                 table = a.reshape(-1, a.shape[-1]).to(dtype)  # (N·vocab, r): member m's rows at m·vocab
                 right = (b * scale * _embedding_output_scale(module, module_name)).transpose(1, 2)
-                self._plan.append((module, "lookup", table, right.to(dtype).contiguous()))
+                self._plan.append((module, "lookup", table, standard_strides(right.to(dtype))))
             else:
                 raise PopulationBatchingError(
                     f"{name} is the weight of {module_name} ({type(module).__name__}); population batching "

@@ -27,7 +27,7 @@ class SharedProduct:
 
     def __init__(self, rows, left: torch.Tensor):  # rows: the MemberRows whose hooks call it
         self.rows = rows
-        self.left_by_member = left.transpose(1, 2).contiguous()  # (N, r·modules, in)
+        self.left_by_member = standard_strides(left.transpose(1, 2))  # (N, r·modules, in)
         self.per_row = rows._per_row(self.left_by_member)
         self._input = None
         self._key = None
@@ -77,6 +77,14 @@ def input_groups(engine, modules: Sequence[nn.Module]) -> dict[int, int]:
                 handle.remove()
         cache[key] = group_of
     return cache[key]
+
+
+def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy with the row-major strides of its shape, size-1 dimensions included: `.contiguous()`
+    of a transposed (N, in, 1) factor keeps strides (in, 1, 1), which CPU bmm takes as another layout and runs
+    2.5-3.3× slower (benchmarks/RESULTS.md): every single-column product at rank 1 (o_proj, down_proj, the LM
+    head) paid it."""
+    return tensor.clone(memory_format=torch.contiguous_format)
 
 
 def _version(x: torch.Tensor) -> int | None:
