@@ -77,8 +77,6 @@ class FullRankPopulation(MemberRows):
             if "forward" in module.__dict__:  # already wrapped (e.g. accelerate's offloading hooks): not ours to replace
                 raise PopulationBatchingError(f"{module_name} ({type(module).__name__}) has a wrapped forward{WAY_OUT}")
             self._plan.append((module, module_name, {local: (param, stacks[id(param)]) for local, param in own.items()}))
-        self._counts_version = -1
-        self._counts: list[int] = []
 
     @staticmethod
     def members_per_call(engine, members: int, prompts: Sequence[str]) -> int:
@@ -106,21 +104,8 @@ class FullRankPopulation(MemberRows):
         """Rows of each member in the running batch (member-major, so each member's rows are contiguous)."""
         if self._member_of_row is None:
             return [self._members_rows(rows)] * self.size
-        self._refresh_layout()
+        self.padded_layout()
         return self._counts
-
-    def _refresh_layout(self) -> None:
-        """Once per dropped-rows event: rows per member, and each row's slot in a member-major layout
-        padded to the largest member (so a ragged batch still takes one batched product)."""
-        if self._counts_version == self._rows_version:
-            return
-        members = self._member_of_row
-        counts = torch.bincount(members, minlength=self.size)
-        starts = torch.cumsum(counts, 0) - counts
-        widest = int(counts.max())
-        self._counts, self._widest = counts.tolist(), widest
-        self._slots = members * widest + torch.arange(len(members), device=members.device) - starts[members]
-        self._counts_version = self._rows_version
 
     def _members_rows(self, rows: int) -> int:
         if rows % self.size:
@@ -201,10 +186,8 @@ class FullRankPopulation(MemberRows):
         bias = tensors["bias"][1][:, None, :] if "bias" in tensors else module.bias
         ragged = self._member_of_row is not None
         if ragged:
-            self._refresh_layout()
-            padded = x.new_zeros((self.size * self._widest, *x.shape[1:]))
-            padded[self._slots] = x
-            source = padded
+            widest, slots = self.padded_layout()
+            source = x.new_zeros((self.size * widest, *x.shape[1:])).index_copy_(0, slots, x)
         else:
             source = x
         rows_per_member = source.shape[0] // self.size if ragged else self._members_rows(source.shape[0])
@@ -215,7 +198,7 @@ class FullRankPopulation(MemberRows):
         else:  # the bias inside the product, as F.linear's addmm has it
             out = torch.baddbmm(bias.expand(self.size, grouped.shape[1], right.shape[2]), grouped, right)
         out = out.view(*source.shape[:-1], out.shape[-1])
-        return out[self._slots] if ragged else out
+        return out.index_select(0, self._slots) if ragged else out
 
     def _batched_lookup(self, ids: torch.Tensor, module: nn.Embedding, stack: torch.Tensor) -> torch.Tensor:
         """Each row's ids looked up in its member's table: one lookup in the stacked tables."""

@@ -61,6 +61,10 @@ class MemberRows:
         self._handles: list = []
         self._member_of_row: torch.Tensor | None = None
         self._rows_version = 0  # bumped when rows are dropped: hooks gather their rows' factors once per version
+        self._layout_version = -1
+        self._counts: list[int] = []
+        self._widest = 0
+        self._slots: torch.Tensor | None = None
 
     def _hook_for(self, entry):
         raise NotImplementedError
@@ -90,6 +94,19 @@ class MemberRows:
         else:
             self._member_of_row = torch.div(active, rows_per_member, rounding_mode="floor")
         self._rows_version += 1
+
+    def padded_layout(self) -> tuple[int, torch.Tensor]:
+        """After drops (set_rows with a subset): (widest, slots), each running row's slot in a member-major
+        layout padded to the member with the most rows (widest), so a ragged batch still takes one batched
+        product. Rows stay member-sorted when the decoder drops some; computed once per dropped-rows event."""
+        if self._layout_version != self._rows_version:
+            members = self._member_of_row
+            counts = torch.bincount(members, minlength=self.size)
+            starts = torch.cumsum(counts, 0) - counts
+            self._counts, self._widest = counts.tolist(), int(counts.max())
+            self._slots = members * self._widest + torch.arange(len(members), device=members.device) - starts[members]
+            self._layout_version = self._rows_version
+        return self._widest, self._slots
 
     def _members(self, tensor: torch.Tensor) -> int:
         if tensor.shape[0] % self.size:

@@ -20,15 +20,14 @@ class SharedProduct:
     tensor for every module that reads it and reused while the same tensor, unchanged, comes back.
     Member-major rows: one batched product (left as (N, r, in) against the rows transposed: the product
     shape CPU kernels run fast at small r; multiplying every row by every member's factors cost up to 90%
-    of a 128-wide layer, benchmarks/RESULTS.md). Rows left after the decoder dropped finished ones (one
-    position each): each row's factors gathered once per dropped-rows event (not per step: that halved
-    the hook's cost there) and a per-row dot product. The input is held by a weak reference: a layer's
-    prefill activations are not kept alive for the next step."""
+    of a 128-wide layer, benchmarks/RESULTS.md). Rows left after the decoder dropped finished ones: the
+    same batched product on the rows scattered into a member-major layout padded to the widest member
+    (MemberRows.padded_layout), read back at each row's slot. The input is held by a weak reference: a
+    layer's prefill activations are not kept alive for the next step."""
 
     def __init__(self, rows, left: torch.Tensor):  # rows: the MemberRows whose hooks call it
         self.rows = rows
         self.left_by_member = standard_strides(left.transpose(1, 2))  # (N, r·modules, in)
-        self.per_row = rows._per_row(self.left_by_member)
         self._input = None
         self._key = None
         self._low: torch.Tensor | None = None
@@ -41,13 +40,16 @@ class SharedProduct:
         return self._low
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
-        members = self.rows._member_of_row
-        if members is None:  # member-major: (N, rows·positions, in)
-            x = x.reshape(self.rows._members(x), -1, x.shape[-1])
-            return torch.bmm(self.left_by_member, x.transpose(1, 2)).transpose(1, 2)  # (N, rows·positions, r·modules)
-        (left_rows,) = self.per_row()  # (rows, r·modules, in)
-        x = x.reshape(len(members), -1, 1, x.shape[-1])  # (rows, positions, 1, in)
-        return (x * left_rows.unsqueeze(1)).sum(-1)  # (rows, positions, r·modules)
+        members = self.rows.size
+        if self.rows._member_of_row is None:  # member-major: (N, rows·positions, in)
+            return self._batched(x.reshape(self.rows._members(x), -1, x.shape[-1]))  # (N, rows·positions, r·modules)
+        widest, slots = self.rows.padded_layout()
+        padded = x.new_zeros((members * widest, *x.shape[1:])).index_copy_(0, slots, x)
+        low = self._batched(padded.reshape(members, -1, x.shape[-1]))  # (N, widest·positions, r·modules)
+        return low.reshape(members * widest, -1, low.shape[-1]).index_select(0, slots)  # (rows, positions, r·modules)
+
+    def _batched(self, grouped: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(self.left_by_member, grouped.transpose(1, 2)).transpose(1, 2)
 
 
 @torch.no_grad()
