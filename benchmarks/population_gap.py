@@ -12,8 +12,9 @@ population/replay is the hooks' share; replay/limit is the share of the populati
 completions end later than 32 prompts' identical copies: more decoding steps with few rows, more drops),
 which no exact path removes. For each side it prints the model-forward seconds per phase: the prompt pass
 (prefill), decoding steps with all of a call's rows, steps after drops; the rest of a call is the decoder's
-own work (argmax, dropping rows, the cache) and, for the population, building its factors. Ratios are
-medians over rounds with their spread (throughput_tools.ratio_summary).
+own work (argmax, dropping rows, the cache) and, for the population, building its factors. Each round
+runs the three --repeats times, alternating, and sums them; ratios are medians over rounds with their
+spread (throughput_tools.ratio_summary).
 
     OMP_NUM_THREADS=1 python benchmarks/population_gap.py                        # demo, 32 prompts
     OMP_NUM_THREADS=1 python benchmarks/population_gap.py --batch 200 --rows 1020
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=960, help="rows per generate call (limit and population alike)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3, help="measurements of each side per round, summed")
     parser.add_argument("--sigma", type=float, default=0.001)
     parser.add_argument("--json", default=None, help="also write the rounds here")
     args = parser.parse_args()
@@ -138,33 +140,35 @@ def main() -> None:
     engine.generated_chunks = reported
     rounds = []
     for number in range(args.rounds):
-        pop_seconds, members = population()
-        pop_phases = dict(clock.seconds)
-        tokens = sum(sum(m.num_tokens) for m in members)
-        targets = []  # each call's rows (member-major), the population's lengths
-        for start in range(0, len(prompts), per_call):
-            size = min(per_call, len(prompts) - start)
-            targets.append(torch.tensor([m.num_tokens[start + p] for m in members for p in range(size)]))
-        limit_seconds, limit_tokens = limit()
-        limit_phases = dict(clock.seconds)
-        replay_seconds, replay_rows = replay(targets)
-        replay_phases = dict(clock.seconds)
-        replayed = [len(row) for row in replay_rows]
-        if replayed != [int(n) for call in targets for n in call]:
-            raise SystemExit("the replay did not follow the population's lengths")
-        for name, seconds, phases in (("population", pop_seconds, pop_phases), ("limit", limit_seconds, limit_phases),
-                                      ("replay", replay_seconds, replay_phases)):
-            phases["rest"] = seconds - sum(phases.values())
-        rounds.append({"population": pop_seconds, "limit": limit_seconds, "replay": replay_seconds, "tokens": tokens,
-                       "limit_tokens": limit_tokens, "phases": {"population": pop_phases, "limit": limit_phases,
-                                                                "replay": replay_phases}})
-        print(f"round {number + 1}/{args.rounds}: population {pop_seconds:.2f} s, limit {limit_seconds:.2f} s, "
-              f"replay {replay_seconds:.2f} s ({load_average()})", flush=True)
+        record = {"population": 0.0, "limit": 0.0, "replay": 0.0,
+                  "phases": {side: dict.fromkeys(PHASES, 0.0) for side in ("population", "limit", "replay")}}
+        for _ in range(args.repeats):  # the three alternate: a slow spell hits all of them alike
+            pop_seconds, members = population()
+            measured = [("population", pop_seconds, dict(clock.seconds))]
+            record["tokens"] = sum(sum(m.num_tokens) for m in members)
+            targets = []  # each call's rows (member-major), the population's lengths
+            for start in range(0, len(prompts), per_call):
+                size = min(per_call, len(prompts) - start)
+                targets.append(torch.tensor([m.num_tokens[start + p] for m in members for p in range(size)]))
+            limit_seconds, record["limit_tokens"] = limit()
+            measured.append(("limit", limit_seconds, dict(clock.seconds)))
+            replay_seconds, replay_rows = replay(targets)
+            measured.append(("replay", replay_seconds, dict(clock.seconds)))
+            if [len(row) for row in replay_rows] != [int(n) for call in targets for n in call]:
+                raise SystemExit("the replay did not follow the population's lengths")
+            for side, seconds, phases in measured:
+                phases["rest"] = seconds - sum(phases.values())
+                record[side] += seconds
+                for phase, value in phases.items():
+                    record["phases"][side][phase] += value
+        rounds.append(record)
+        print(f"round {number + 1}/{args.rounds}: population {record['population']:.2f} s, limit {record['limit']:.2f} s, "
+              f"replay {record['replay']:.2f} s over {args.repeats} repeats ({load_average()})", flush=True)
 
     def ratio(of):
         return ratio_summary([of(r) for r in rounds])
 
-    total = ratio(lambda r: (r["tokens"] / r["population"]) / (r["limit_tokens"] / r["limit"]))
+    total = ratio(lambda r: (r["tokens"] / r["population"]) / (r["limit_tokens"] / r["limit"]))  # same repeats
     hooks = ratio(lambda r: r["replay"] / r["population"])
     lengths = ratio(lambda r: (r["tokens"] / r["replay"]) / (r["limit_tokens"] / r["limit"]))
     print(f"\nmodel: {description}; population {args.population} × {args.batch} prompts, {args.rows} rows per call, "
@@ -173,9 +177,11 @@ def main() -> None:
     print(f"population / limit (tokens per CPU-second): {format_ratio(total, percent=True)}")
     print(f"  = hooks (replay seconds / population seconds): {format_ratio(hooks, percent=True)}")
     print(f"  × lengths (replay / limit, tokens per CPU-second): {format_ratio(lengths, percent=True)}")
-    print("\nmedian CPU seconds per phase | population | replay | limit | population − replay")
+    print(f"\nmedian CPU seconds per phase (one generation: a round's sum over its {args.repeats} repeats / {args.repeats}) "
+          "| population | replay | limit | population − replay")
     for phase in PHASES:
-        values = {side: statistics.median(r["phases"][side][phase] for r in rounds) for side in ("population", "replay", "limit")}
+        values = {side: statistics.median(r["phases"][side][phase] for r in rounds) / args.repeats
+                  for side in ("population", "replay", "limit")}
         print(f"  {phase:<11} | {values['population']:.3f} | {values['replay']:.3f} | {values['limit']:.3f} | "
               f"{values['population'] - values['replay']:+.3f}")
     print(f"\nmachine: {cpu_description()}, torch {torch.__version__}, {load_average()}, "

@@ -59,7 +59,7 @@ class AdapterPopulation(MemberRows):
         def hook(module, args, output):
             x = args[0]
             if self._member_of_row is None:  # member-major: (N, rows·positions, in)
-                return _add_rows(output, self.size, x.reshape(self._members(x), -1, x.shape[-1]), right)
+                return _add_rows(output, self.size, x.reshape(self.members_in(x), -1, x.shape[-1]), right)
             (right_rows,) = per_row()  # rows still running (finished ones dropped): each row's member's noise
             return _add_rows(output, len(right_rows), x.reshape(len(right_rows), -1, x.shape[-1]), right_rows)
 

@@ -186,8 +186,7 @@ class FullRankPopulation(MemberRows):
         bias = tensors["bias"][1][:, None, :] if "bias" in tensors else module.bias
         ragged = self._member_of_row is not None
         if ragged:
-            widest, slots = self.padded_layout()
-            source = x.new_zeros((self.size * widest, *x.shape[1:])).index_copy_(0, slots, x)
+            source = self.padded_rows(x)
         else:
             source = x
         rows_per_member = source.shape[0] // self.size if ragged else self._members_rows(source.shape[0])

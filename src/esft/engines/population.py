@@ -65,6 +65,7 @@ class MemberRows:
         self._counts: list[int] = []
         self._widest = 0
         self._slots: torch.Tensor | None = None
+        self._sources: torch.Tensor | None = None
 
     def _hook_for(self, entry):
         raise NotImplementedError
@@ -95,6 +96,16 @@ class MemberRows:
             self._member_of_row = torch.div(active, rows_per_member, rounding_mode="floor")
         self._rows_version += 1
 
+    @property
+    def ragged(self) -> bool:
+        """True after the decoder dropped finished rows: members no longer hold equal row counts."""
+        return self._member_of_row is not None
+
+    @property
+    def rows_version(self) -> int:
+        """Changes whenever set_rows does: what is cached for the running rows is stale."""
+        return self._rows_version
+
     def padded_layout(self) -> tuple[int, torch.Tensor]:
         """After drops (set_rows with a subset): (widest, slots), each running row's slot in a member-major
         layout padded to the member with the most rows (widest), so a ragged batch still takes one batched
@@ -104,11 +115,23 @@ class MemberRows:
             counts = torch.bincount(members, minlength=self.size)
             starts = torch.cumsum(counts, 0) - counts
             self._counts, self._widest = counts.tolist(), int(counts.max())
-            self._slots = members * self._widest + torch.arange(len(members), device=members.device) - starts[members]
+            rows = torch.arange(len(members), device=members.device)
+            self._slots = members * self._widest + rows - starts[members]
+            self._sources = torch.zeros(self.size * self._widest, dtype=torch.long, device=members.device)
+            self._sources[self._slots] = rows
             self._layout_version = self._rows_version
         return self._widest, self._slots
 
-    def _members(self, tensor: torch.Tensor) -> int:
+    def padded_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x's running rows laid out as padded_layout says, (N·widest, ...): each slot a gather of its row (one
+        index_select, several times faster on CPU than scattering into a zeroed buffer); a slot no row has
+        repeats row 0, whatever is computed from it is never read back (outputs are taken at `slots`)."""
+        self.padded_layout()
+        return x.index_select(0, self._sources)
+
+    def members_in(self, tensor: torch.Tensor) -> int:
+        """The members whose rows make up `tensor`'s leading dimension (member-major, equal counts): all of them,
+        else PopulationBatchingError."""
         if tensor.shape[0] % self.size:
             raise PopulationBatchingError(
                 f"a hooked module saw a batch of {tensor.shape[0]} rows, not a multiple of the {self.size} members"
@@ -225,7 +248,7 @@ class LowRankPopulation(MemberRows):
             ids = args[0]
             members = self._member_of_row
             if members is None:
-                n = self._members(ids)
+                n = self.members_in(ids)
                 low = nn.functional.embedding(ids.reshape(n, -1) + offsets, table)  # (N, rows·positions, r)
                 return _add_rows(output, n, low, right)
             row_offsets, right_rows = per_row()

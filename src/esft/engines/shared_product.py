@@ -33,7 +33,7 @@ class SharedProduct:
         self._low: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        key = (_version(x), self.rows._rows_version)
+        key = (_version(x), self.rows.rows_version)
         if self._input is None or self._input() is not x or self._key != key or key[0] is None:
             self._low = self._product(x)
             self._input, self._key = weakref.ref(x), key
@@ -41,12 +41,12 @@ class SharedProduct:
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         members = self.rows.size
-        if self.rows._member_of_row is None:  # member-major: (N, rows·positions, in)
-            return self._batched(x.reshape(self.rows._members(x), -1, x.shape[-1]))  # (N, rows·positions, r·modules)
-        widest, slots = self.rows.padded_layout()
-        padded = x.new_zeros((members * widest, *x.shape[1:])).index_copy_(0, slots, x)
+        if not self.rows.ragged:  # member-major: (N, rows·positions, in)
+            return self._batched(x.reshape(self.rows.members_in(x), -1, x.shape[-1]))  # (N, rows·positions, r·modules)
+        padded = self.rows.padded_rows(x)  # (N·widest, positions, in)
         low = self._batched(padded.reshape(members, -1, x.shape[-1]))  # (N, widest·positions, r·modules)
-        return low.reshape(members * widest, -1, low.shape[-1]).index_select(0, slots)  # (rows, positions, r·modules)
+        _, slots = self.rows.padded_layout()
+        return low.reshape(padded.shape[0], -1, low.shape[-1]).index_select(0, slots)  # (rows, positions, r·modules)
 
     def _batched(self, grouped: torch.Tensor) -> torch.Tensor:
         return torch.bmm(self.left_by_member, grouped.transpose(1, 2)).transpose(1, 2)
