@@ -12,7 +12,8 @@ from esft.es.batches import prompt_batch
 from esft.config import embedded_model_path
 from esft.engines import decoding
 from esft.engines.base import generation_from_tokens
-from esft.engines.population import MemberRows, generate_population
+from esft.engines.member_rows import MemberRows
+from esft.engines.population import generate_population
 from esft.engines.transformers_engine import TransformersEngine
 from esft.tasks.countdown_task import make_countdown_task
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.population import MemberRows, PopulationBatchingError, _add_rows
+from esft.engines.member_rows import MemberRows, PopulationBatchingError, add_rows
 from esft.es.noise import draw_noise
 
 
@@ -59,8 +59,8 @@ class AdapterPopulation(MemberRows):
         def hook(module, args, output):
             x = args[0]
             if self._member_of_row is None:  # member-major: (N, rows·positions, in)
-                return _add_rows(output, self.size, x.reshape(self.members_in(x), -1, x.shape[-1]), right)
+                return add_rows(output, self.size, x.reshape(self.members_in(x), -1, x.shape[-1]), right)
             (right_rows,) = per_row()  # rows still running (finished ones dropped): each row's member's noise
-            return _add_rows(output, len(right_rows), x.reshape(len(right_rows), -1, x.shape[-1]), right_rows)
+            return add_rows(output, len(right_rows), x.reshape(len(right_rows), -1, x.shape[-1]), right_rows)
 
         return hook

@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.population import MemberRows, PopulationBatchingError
+from esft.engines.member_rows import MemberRows, PopulationBatchingError
 from esft.es.noise import perturbs
 
 
