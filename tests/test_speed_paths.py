@@ -190,7 +190,7 @@ def test_modules_reading_one_input_share_one_lowrank_product(model_dir, monkeypa
 
 def test_rank_one_factors_have_row_major_strides(model_dir):
     """At rank 1 a single-column product's factors (N, 1, in) must have the strides of a fresh tensor: the
-    (in, 1, 1) that `.contiguous()` leaves on a transposed factor sends CPU bmm down a path 2.5-3.3× slower
+    (in, 1, 1) that `.contiguous()` leaves on a transposed factor sends CPU bmm down a path 2.3-3.6× slower
     (benchmarks/RESULTS.md). Every product and output factor of the population is checked."""
     engine = load_engine(model_dir, rank=1)
     population = LowRankPopulation(engine, SEEDS, SIGMA)

@@ -70,8 +70,8 @@ class PreallocatedLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only rows `indices`, copying their live positions once: index_select straight into a new
-        buffer's live part (2-3× faster than indexing the whole buffer, free positions included, on the
-        demo's first drop: benchmarks/RESULTS.md)."""
+        buffer's live part (1.9-3.6× faster than indexing the whole buffer, free positions included, at the
+        demo's drops: benchmarks/bmm_layout.py)."""
         if not self.is_initialized:
             return
         self._keys = _select_live(self._keys, indices, self.length)
