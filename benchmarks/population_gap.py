@@ -47,7 +47,10 @@ class ForwardClock:
 
     def __init__(self, model, eos_ids: list[int]):
         self.eos = torch.tensor(eos_ids)
+        vocab = model.get_output_embeddings().out_features
+        self.eos_columns = torch.isin(torch.arange(vocab), self.eos)  # built once: not inside the replay's timing
         self.seconds = dict.fromkeys(PHASES, 0.0)
+        self.forwards = 0
         self.targets: list[torch.Tensor] | None = None  # per call, each row's length (None: not forcing)
         self.call, self.step, self.rows, self.active = -1, 0, 0, None
         model.register_forward_pre_hook(self._before)
@@ -55,7 +58,7 @@ class ForwardClock:
 
     def reset(self, targets=None) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self.targets, self.call, self.active = targets, -1, None
+        self.targets, self.call, self.active, self.forwards = targets, -1, None, 0
 
     def on_rows(self, active: torch.Tensor, _rows_per_member: int = 0) -> None:
         if self.active is None or len(active) >= len(self.active):  # a new generate call starts with all its rows
@@ -70,10 +73,11 @@ class ForwardClock:
         rows = output.logits.shape[0]
         phase = "prefill" if self.step == 0 else "all rows" if rows == self.rows else "after drops"
         self.seconds[phase] += spent
+        self.forwards += 1
         if self.targets is not None:
             lengths = self.targets[self.call][self.active]  # this step makes token number step + 1
             logits = output.logits[:, -1]
-            logits[(lengths > self.step + 1)[:, None] & torch.isin(torch.arange(logits.shape[1]), self.eos)] = float("-inf")
+            logits[(lengths > self.step + 1)[:, None] & self.eos_columns] = float("-inf")
             ending = lengths == self.step + 1
             logits[ending] = float("-inf")
             logits[ending, int(self.eos[0])] = 0.0
@@ -145,6 +149,7 @@ def main() -> None:
         for _ in range(args.repeats):  # the three alternate: a slow spell hits all of them alike
             pop_seconds, members = population()
             measured = [("population", pop_seconds, dict(clock.seconds))]
+            forwards = {"population": clock.forwards}
             record["tokens"] = sum(sum(m.num_tokens) for m in members)
             targets = []  # each call's rows (member-major), the population's lengths
             for start in range(0, len(prompts), per_call):
@@ -154,6 +159,8 @@ def main() -> None:
             measured.append(("limit", limit_seconds, dict(clock.seconds)))
             replay_seconds, replay_rows = replay(targets)
             measured.append(("replay", replay_seconds, dict(clock.seconds)))
+            forwards["replay"] = clock.forwards
+            record["forwards"] = forwards  # the same steps: the replay ran the population's schedule
             if [len(row) for row in replay_rows] != [int(n) for call in targets for n in call]:
                 raise SystemExit("the replay did not follow the population's lengths")
             for side, seconds, phases in measured:

@@ -397,7 +397,7 @@ def test_config_rules(settings, accepted):
 def test_population_gap_benchmark_replays_the_populations_lengths(tmp_path):
     """benchmarks/population_gap.py as a user runs it (a subprocess, tiny budget): the plain model, replayed with
     each row forced to the population's length, must follow that schedule (else the script stops, exit 1), and
-    the three sides' phases add up to their seconds."""
+    the replay runs as many model forwards as the population did."""
     import json
     import os
     import subprocess
@@ -414,6 +414,6 @@ def test_population_gap_benchmark_replays_the_populations_lengths(tmp_path):
     result = json.loads(out.read_text())
     for record in result["rounds"]:
         assert record["tokens"] > 4 * 3  # natural lengths: more than one token per row
+        assert record["forwards"]["replay"] == record["forwards"]["population"] > 2  # a prefill and decoding steps
         for side in ("population", "limit", "replay"):
-            assert sum(record["phases"][side].values()) == pytest.approx(record[side])
-            assert record["phases"][side]["prefill"] > 0
+            assert record["phases"][side]["prefill"] > 0 and record["phases"][side]["all rows"] > 0

@@ -184,7 +184,7 @@ class FullRankPopulation(MemberRows):
         weight = tensors["weight"][1] if "weight" in tensors else module.weight.expand(self.size, *module.weight.shape)
         right = weight.transpose(1, 2)  # (N, in, out): contiguous when the weight is perturbed (see __init__)
         bias = tensors["bias"][1][:, None, :] if "bias" in tensors else module.bias
-        ragged = self._member_of_row is not None
+        ragged = self.ragged
         if ragged:
             source = self.padded_rows(x)
         else:
