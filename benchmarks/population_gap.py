@@ -96,6 +96,9 @@ def main() -> None:
     parser.add_argument("--sigma", type=float, default=0.001)
     parser.add_argument("--json", default=None, help="also write the rounds here")
     args = parser.parse_args()
+    if args.rows < args.population:  # a population call holds every member's copy of at least one prompt
+        parser.error(f"--rows {args.rows} is fewer than --population {args.population}: each call holds one row "
+                     "per member for every prompt it takes")
     torch.set_num_threads(1)
     from esft.allocator import steady_allocator
     from esft.engines.population import check_population_batching, generate_population
