@@ -188,6 +188,32 @@ def test_modules_reading_one_input_share_one_lowrank_product(model_dir, monkeypa
     torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
 
 
+def test_the_prompt_pass_takes_each_members_own_weights_and_decoding_the_hooks(model_dir, monkeypatch):
+    """Where a member brings more token rows than a linear layer has inputs (the prompt pass), its rows are
+    multiplied by its own W + σ/√r·A·Bᵀ (no shared product); a decoding step (one row per prompt) keeps the
+    hooks. Both give the sequential path's completions (the logits and completions tests above run both)."""
+    from esft.engines import population as population_module
+    from esft.engines import shared_product
+
+    engine = load_engine(model_dir, max_tokens=6)
+    check_population_batching(engine)  # its short input takes the hooks: not counted below
+    chosen, products = [], []
+    real_pays, real_product = population_module._per_member_pays, shared_product.SharedProduct._product
+    monkeypatch.setattr(population_module, "_per_member_pays",
+                        lambda x, members, outputs: chosen.append((x.shape[1], real_pays(x, members, outputs))) or chosen[-1][1])
+    monkeypatch.setattr(shared_product.SharedProduct, "_product", lambda self, x: products.append(x.shape[1]) or real_product(self, x))
+    batched = generate_population(engine, PROMPTS, SEEDS, SIGMA)
+    prompt_length = engine._encode(PROMPTS)["input_ids"].shape[1]
+    assert {pays for positions, pays in chosen if positions == prompt_length} == {True}
+    assert {pays for positions, pays in chosen if positions == 1} == {False}
+    assert products and set(products) == {1}  # the shared product only at decoding steps
+    for seed, generation in zip(SEEDS, batched):
+        engine.perturb(seed, SIGMA)
+        assert engine.generate(PROMPTS).token_ids == generation.token_ids, seed
+        engine.restore()
+    assert not any("forward" in vars(module) for module in engine.model.modules())  # uninstalled: the class's forward
+
+
 def test_rank_one_factors_have_row_major_strides(model_dir):
     """At rank 1 a single-column product's factors (N, 1, in) must have the strides of a fresh tensor: the
     (in, 1, 1) that `.contiguous()` leaves on a transposed factor sends CPU bmm down a path 2.3-3.6× slower

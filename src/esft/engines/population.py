@@ -18,6 +18,11 @@ removing the hooks: the weights are never written. Modules that read the same in
 layer's q/k/v projections, its gate/up projections) share one product x_m·[B_q B_k B_v]: the rows,
 memory-bound at small r, are read once per layer input instead of once per module.
 
+The prompt pass is the exception (float32 nn.Linear on CPU): there each member brings more token rows than
+the layer has inputs, and its own weights W + σ/√r·A_m·B_mᵀ, built for the call and multiplied in one
+batched product, cost less memory traffic than two extra passes over every row's input and output
+(`_per_member_pays`; the demo's 960-row prompt pass: the hooks' cost from +102 to +56 ms).
+
 `check_population_batching` compares the batched forward with the sequential path (weights
 perturbed in place) once per engine: a model whose perturbed matrices are also used outside these
 modules, or whose modules see a different row layout, is refused instead of silently mis-evaluated.
@@ -52,6 +57,7 @@ class LowRankPopulation(MemberRows):
 
     def __init__(self, engine, member_seeds: Sequence[int], sigma: float):
         super().__init__(len(member_seeds))
+        self._replaced: list[nn.Module] = []
         if engine.noise not in LOW_RANK_SCHEMES:
             raise PopulationBatchingError(f"population batching needs --noise lowrank (got {engine.noise})")
         self.engine = engine
@@ -114,6 +120,43 @@ class LowRankPopulation(MemberRows):
                 start += left.shape[2]
         self._plan = [shared_entries.get(id(entry[0]), entry) if entry[1] == "matmul" else entry for entry in self._plan]
 
+    def install(self) -> None:
+        """Forward hooks, except on float32 nn.Linear modules on CPU, whose forward is replaced (an instance
+        attribute shadows the class's) so that the prompt pass can skip the shared product (_linear_forward)."""
+        for entry in self._plan:
+            module = entry[0]
+            if entry[1] == "matmul" and type(module) is nn.Linear and "forward" not in module.__dict__ \
+                    and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu":
+                module.forward = self._linear_forward(module, *entry[2:])
+                self._replaced.append(module)
+            else:
+                self._handles.append(module.register_forward_hook(self._hook_for(entry)))
+
+    def remove(self) -> None:
+        super().remove()
+        for module in self._replaced:
+            module.__dict__.pop("forward", None)
+        self._replaced.clear()
+
+    def _linear_forward(self, module: nn.Linear, product: SharedProduct, columns: slice, right: torch.Tensor):
+        """The module's product plus each member's low-rank term (the hook's), or where _per_member_pays, each
+        member's rows against its own perturbed weights: Wᵀ + B_m·(σ/√r·A_mᵀ), built for this call."""
+        hook = self._matmul_hook(product, columns, right)
+        left = product.left_by_member[:, columns, :].transpose(1, 2)  # (N, in, r)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if self._member_of_row is None and _per_member_pays(x, self.size, module.out_features):
+                weights = torch.baddbmm(module.weight.t().unsqueeze(0), left, right)  # (N, in, out)
+                grouped = x.reshape(self.members_in(x), -1, x.shape[-1])
+                if module.bias is None:
+                    out = torch.bmm(grouped, weights)
+                else:
+                    out = torch.baddbmm(module.bias.expand(self.size, grouped.shape[1], -1), grouped, weights)
+                return out.view(*x.shape[:-1], out.shape[-1])
+            return hook(module, (x,), nn.functional.linear(x, module.weight, module.bias))
+
+        return forward
+
     def _hook_for(self, entry):
         if entry[1] == "matmul":
             return self._matmul_hook(*entry[2:])
@@ -150,6 +193,22 @@ class LowRankPopulation(MemberRows):
             return add_rows(output, len(members), nn.functional.embedding(rows, table), right_rows)
 
         return hook
+
+
+PER_MEMBER_WEIGHTS_BYTES = 256 * 2**20
+"""At most this many bytes of per-member weights for one module's call (the prompt pass of a large layer keeps
+the hooks)."""
+
+
+def _per_member_pays(x: torch.Tensor, members: int, outputs: int) -> bool:
+    """Per-member weights for this call of a linear layer (in → out): when each member brings more token rows
+    than the layer has inputs. Their traffic is about members·in·out written and read once; the hooks' is a read
+    and a write of every row's output (rows·out each) plus a read of its input: the weights win once rows per
+    member exceed `in` (the prompt pass of a 128-wide model: 800 token rows per member; a decoding step: 32)."""
+    inputs = x.shape[-1]
+    rows = x.numel() // inputs
+    fits = members * inputs * outputs * x.element_size() <= PER_MEMBER_WEIGHTS_BYTES
+    return fits and rows > members * inputs and x.shape[0] % members == 0
 
 
 def _embedding_output_scale(module: nn.Embedding, module_name: str) -> float:
