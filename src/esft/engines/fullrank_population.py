@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.member_rows import MemberRows, PopulationBatchingError
+from esft.engines.member_rows import MemberRows, PopulationBatchingError, member_linear
 from esft.es.noise import perturbs
 
 
@@ -184,20 +184,10 @@ class FullRankPopulation(MemberRows):
         weight = tensors["weight"][1] if "weight" in tensors else module.weight.expand(self.size, *module.weight.shape)
         right = weight.transpose(1, 2)  # (N, in, out): contiguous when the weight is perturbed (see __init__)
         bias = tensors["bias"][1][:, None, :] if "bias" in tensors else module.bias
-        ragged = self.ragged
-        if ragged:
-            source = self.padded_rows(x)
-        else:
-            source = x
-        rows_per_member = source.shape[0] // self.size if ragged else self._members_rows(source.shape[0])
-        grouped = source.reshape(self.size, rows_per_member * (source.numel() // source.shape[0] // source.shape[-1]),
-                                 source.shape[-1])
-        if bias is None:
-            out = torch.bmm(grouped, right)
-        else:  # the bias inside the product, as F.linear's addmm has it
-            out = torch.baddbmm(bias.expand(self.size, grouped.shape[1], right.shape[2]), grouped, right)
-        out = out.view(*source.shape[:-1], out.shape[-1])
-        return out.index_select(0, self._slots) if ragged else out
+        if self.ragged:
+            return member_linear(self.padded_rows(x), right, bias).index_select(0, self._slots)
+        self._members_rows(x.shape[0])  # equal counts per member, else a clear error
+        return member_linear(x, right, bias)
 
     def _batched_lookup(self, ids: torch.Tensor, module: nn.Embedding, stack: torch.Tensor) -> torch.Tensor:
         """Each row's ids looked up in its member's table: one lookup in the stacked tables."""

@@ -126,3 +126,16 @@ def add_rows(output: torch.Tensor, groups: int, low: torch.Tensor, right: torch.
     else:
         target.baddbmm_(low, right)
     return output
+
+
+def member_linear(x: torch.Tensor, weights: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x·W_m (+ bias) with each member's own weights: x's leading dimension is member-major with equal counts,
+    weights (N, in, out), bias (out) or (N, 1, out); one batched product, the bias inside it as F.linear's
+    addmm has it."""
+    members = weights.shape[0]
+    grouped = x.reshape(members, -1, x.shape[-1])
+    if bias is None:
+        out = torch.bmm(grouped, weights)
+    else:
+        out = torch.baddbmm(bias.expand(members, grouped.shape[1], weights.shape[2]), grouped, weights)
+    return out.view(*x.shape[:-1], out.shape[-1])

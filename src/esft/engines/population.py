@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from esft.engines.base import Generation, PopulationEngine, generation_from_tokens
-from esft.engines.member_rows import MemberRows, PopulationBatchingError, add_rows
+from esft.engines.member_rows import MemberRows, PopulationBatchingError, add_rows, member_linear
 from esft.engines.shared_product import SharedProduct, input_groups, standard_strides
 from esft.es.lowrank import stacked_factors
 from esft.es.noise import LOW_RANK_SCHEMES, perturbs
@@ -147,12 +147,7 @@ class LowRankPopulation(MemberRows):
         def forward(x: torch.Tensor) -> torch.Tensor:
             if self._member_of_row is None and _per_member_pays(x, self.size, module.out_features):
                 weights = torch.baddbmm(module.weight.t().unsqueeze(0), left, right)  # (N, in, out)
-                grouped = x.reshape(self.members_in(x), -1, x.shape[-1])
-                if module.bias is None:
-                    out = torch.bmm(grouped, weights)
-                else:
-                    out = torch.baddbmm(module.bias.expand(self.size, grouped.shape[1], -1), grouped, weights)
-                return out.view(*x.shape[:-1], out.shape[-1])
+                return member_linear(x, weights, module.bias)
             return hook(module, (x,), nn.functional.linear(x, module.weight, module.bias))
 
         return forward
