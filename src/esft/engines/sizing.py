@@ -57,12 +57,15 @@ def available_cpu_memory() -> int:
 
 
 def free_memory(model) -> int:
-    """Bytes free where the model lives: the GPU's free memory, or available RAM."""
+    """Bytes free where the model lives: on a GPU the driver's free memory plus what torch's caching
+    allocator holds unused (the driver counts that as taken, so without it the rows per call would
+    shrink after any earlier large call in the same process); elsewhere available RAM."""
     import torch
 
     device = next(model.parameters()).device
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        cached_unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + max(0, cached_unused)
     return available_cpu_memory()
 
 
