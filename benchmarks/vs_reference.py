@@ -16,7 +16,9 @@ Same model, prompts (Countdown, natural completion lengths: EOS ends them), popu
 budget (max new tokens). Rounds alternate the paths, --repeats times each inside a round (a slow
 spell hits all alike); every measurement repeats the same work: the first iteration's seeds and prompt
 batch, each path's weights reset to the starting ones after it (untimed), so rounds differ only by the
-machine's noise; glibc's malloc thresholds are fixed for the run (esft.allocator;
+machine's noise. Each round runs in a fresh process after one untimed iteration of every path: rounds
+inside one process shared its heap and page placement, so their spread missed what differs between two
+runs of this script, and runs disagreed by more than their spreads (--no-round-processes: the old way); glibc's malloc thresholds are fixed for the run (esft.allocator;
 --default-allocator to skip). Times are this process's CPU seconds
 (with --threads 1 barely disturbed by other jobs) and wall seconds, medians over rounds; the ratio
 is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
@@ -128,6 +130,56 @@ class EsftPath:
         self.engine.load_master_state(self.initial)
 
 
+def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
+    """`rounds` rounds in this process: each path on its own copy of the model, --repeats alternating
+    measurements per round of the same work (iteration 0's seeds and prompts, weights reset after each);
+    with `warm_up` one untimed iteration per path first. Returns (cpu, wall, mean reward, model description)."""
+    import numpy as np
+    import torch
+
+    from esft.es import strategy
+    from esft.es.batches import prompt_batch
+    from esft.tasks.countdown import countdown_reward
+
+    runners = {}
+    for name in paths:  # each path on its own copy of the same model
+        model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-vsref-")))
+        model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+        runners[name] = (ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
+                         if name == "reference" else EsftPath(name, model, tokenizer, args))
+    cpu: dict[str, list[float]] = {name: [] for name in paths}
+    wall: dict[str, list[float]] = {name: [] for name in paths}
+    tokens: dict[str, float] = {}
+    seeds = strategy.ask(strategy.ESState(0, 0), args.population)  # the same work every round
+    batch = prompt_batch(task.train_dataset, 0, size, 0)
+
+    def run(name):
+        runner = runners[name]
+        if name == "reference":
+            return runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
+        return runner.iteration(seeds, batch)
+
+    if warm_up:  # a fresh process's first iteration pays one-off costs (lazy imports, heap growth)
+        for name in paths:
+            run(name)
+            runners[name].reset()
+    for _ in range(rounds):
+        for name in paths:
+            cpu[name].append(0.0)
+            wall[name].append(0.0)
+        for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their mean
+            for name in paths:
+                started_wall, started_cpu = time.perf_counter(), time.process_time()
+                rewards = run(name)
+                if args.device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                cpu[name][-1] += (time.process_time() - started_cpu) / args.repeats
+                wall[name][-1] += (time.perf_counter() - started_wall) / args.repeats
+                runners[name].reset()  # untimed: the next measurement starts from the same weights
+                tokens[name] = float(np.mean(rewards))
+    return cpu, wall, tokens, described
+
+
 def _mini_batch(value: str):
     return value if value == "auto" else int(value)
 
@@ -149,53 +201,56 @@ def main() -> None:
     parser.add_argument("--mini-batch", default="auto", help="prompts per generate call of esft's paths (auto or a number)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (then the ratio is of wall seconds, synchronised)")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (the model's weights)")
+    parser.add_argument("--round-processes", action=argparse.BooleanOptionalAction, default=True,
+                        help="each round in a fresh process after one untimed iteration per path (default), so the "
+                             "spread includes what differs between processes (heap and page placement), as between "
+                             "two runs of the script; --no-round-processes: all rounds in this process")
+    parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
 
-    import numpy as np
+    import json
+    import os
+    import subprocess
+
     import torch
 
-    from esft.es import strategy
-    from esft.es.batches import prompt_batch
-    from esft.tasks.countdown import countdown_reward
     from esft.tasks.countdown_task import make_countdown_task
 
     torch.set_num_threads(args.threads)
     allocator = "allocator: the system's defaults" if args.default_allocator else steady_allocator()
     task = make_countdown_task(seed=0, difficulty="easy")
     paths = args.paths.split(",")
+    if args.one_round_json:  # a per-round process: one warmed-up round, its figures to the parent as JSON
+        cpu, wall, tokens, described = measure_rounds(args, task, paths, int(args.prompts), 1, warm_up=True)
+        Path(args.one_round_json).write_text(json.dumps({"cpu": cpu, "wall": wall, "tokens": tokens,
+                                                         "model": described, "pid": os.getpid()}))
+        return
+
+    def _round_in_fresh_process(size: int, round_: int) -> dict:
+        out = Path(tempfile.mkdtemp(prefix="esft-vsref-round-")) / "round.json"
+        command = [sys.executable, __file__, *sys.argv[1:], "--prompts", str(size), "--rounds", "1",
+                   "--no-round-processes", "--one-round-json", str(out)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"vs_reference: the process of round {round_ + 1} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
+
     print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
           f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
-          f"repeats, natural completion lengths; {allocator}; {cpu_description()}")
+          f"repeats{' (each round a fresh process, warmed up)' if args.round_processes else ''}, natural completion lengths; {allocator}; {cpu_description()}")
     for size in (int(s) for s in args.prompts.split(",")):
-        runners = {}
-        for name in paths:  # each path on its own copy of the same model
-            model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-vsref-")))
-            model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
-            runners[name] = (ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
-                             if name == "reference" else EsftPath(name, model, tokenizer, args))
-        cpu: dict[str, list[float]] = {name: [] for name in paths}
-        wall: dict[str, list[float]] = {name: [] for name in paths}
-        tokens: dict[str, float] = {}
-        seeds = strategy.ask(strategy.ESState(0, 0), args.population)  # the same work every round
-        batch = prompt_batch(task.train_dataset, 0, size, 0)
-        for _ in range(args.rounds):
-            for name in paths:
-                cpu[name].append(0.0)
-                wall[name].append(0.0)
-            for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their mean
+        if args.round_processes:  # each round in its own process, so the spread includes what differs between runs
+            cpu, wall, tokens, described = {name: [] for name in paths}, {name: [] for name in paths}, {}, ""
+            for round_ in range(args.rounds):
+                one = _round_in_fresh_process(size, round_)
                 for name in paths:
-                    runner = runners[name]
-                    started_wall, started_cpu = time.perf_counter(), time.process_time()
-                    if name == "reference":
-                        rewards = runner.iteration(seeds, batch.prompts, batch.rows, countdown_reward)
-                    else:
-                        rewards = runner.iteration(seeds, batch)
-                    if args.device.startswith("cuda"):
-                        torch.cuda.synchronize()
-                    cpu[name][-1] += (time.process_time() - started_cpu) / args.repeats
-                    wall[name][-1] += (time.perf_counter() - started_wall) / args.repeats
-                    runner.reset()  # untimed: the next measurement starts from the same weights
-                    tokens[name] = float(np.mean(rewards))
+                    cpu[name] += one["cpu"][name]
+                    wall[name] += one["wall"][name]
+                tokens, described = one["tokens"], one["model"]
+                print(f"  {size} prompts: round {round_ + 1}/{args.rounds} (process {one['pid']}): " + ", ".join(
+                    f"{name} {one['cpu'][name][0]:.2f} s" for name in paths), file=sys.stderr, flush=True)
+        else:
+            cpu, wall, tokens, described = measure_rounds(args, task, paths, size, args.rounds, warm_up=False)
         clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
         print(f"\n## {size} prompts per iteration ({described}); {load_average()}")
         which = "wall" if clock is wall else "CPU"

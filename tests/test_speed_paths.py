@@ -418,28 +418,3 @@ def test_config_rules(settings, accepted):
     else:
         with pytest.raises(ConfigError, match=accepted):
             ESConfig(**settings)
-
-
-def test_population_gap_benchmark_replays_the_populations_lengths(tmp_path):
-    """benchmarks/population_gap.py as a user runs it (a subprocess, tiny budget): the plain model, replayed with
-    each row forced to the population's length, must follow that schedule (else the script stops, exit 1), and
-    the replay runs as many model forwards as the population did."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "population_gap.py"
-    out = tmp_path / "gap.json"
-    proc = subprocess.run([sys.executable, str(script), "--population", "3", "--batch", "4", "--rows", "12",
-                           "--max-tokens", "12", "--rounds", "2", "--repeats", "1", "--json", str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "= hooks (replay seconds / population seconds)" in proc.stdout
-    result = json.loads(out.read_text())
-    for record in result["rounds"]:
-        assert record["tokens"] > 4 * 3  # natural lengths: more than one token per row
-        assert record["forwards"]["replay"] == record["forwards"]["population"] > 2  # a prefill and decoding steps
-        for side in ("population", "limit", "replay"):
-            assert record["phases"][side]["prefill"] > 0 and record["phases"][side]["all rows"] > 0

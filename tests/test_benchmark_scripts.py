@@ -1,0 +1,85 @@
+"""The benchmark scripts as a user runs them (subprocesses, tiny budgets): they must measure what they
+say, or stop with an error; the speed figures themselves live in benchmarks/RESULTS.md, not here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), *args], capture_output=True, text=True,
+                          timeout=300, env=ONE_THREAD)
+
+
+def test_population_gap_benchmark_replays_the_populations_lengths(tmp_path):
+    """benchmarks/population_gap.py as a user runs it (a subprocess, tiny budget): the plain model, replayed with
+    each row forced to the population's length, must follow that schedule (else the script stops, exit 1), and
+    the replay runs as many model forwards as the population did."""
+    out = tmp_path / "gap.json"
+    proc = _run("population_gap.py", "--population", "3", "--batch", "4", "--rows", "12", "--max-tokens", "12",
+                "--rounds", "2", "--repeats", "1", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "= hooks (replay seconds / population seconds)" in proc.stdout
+    result = json.loads(out.read_text())
+    for record in result["rounds"]:
+        assert record["tokens"] > 4 * 3  # natural lengths: more than one token per row
+        assert record["forwards"]["replay"] == record["forwards"]["population"] > 2  # a prefill and decoding steps
+        for side in ("population", "limit", "replay"):
+            assert record["phases"][side]["prefill"] > 0 and record["phases"][side]["all rows"] > 0
+
+
+def test_vs_reference_runs_each_round_in_a_fresh_warmed_up_process():
+    """Each round is its own process (so the printed spread covers what differs between two runs of the
+    script), the parent reports every path's ratio over those rounds."""
+    proc = _run("vs_reference.py", "--model", "embedded", "--prompts", "4", "--population", "3", "--max-tokens", "4",
+                "--rounds", "2", "--repeats", "1", "--paths", "reference,preset")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "2 rounds of 1 alternating repeats (each round a fresh process, warmed up)" in proc.stdout
+    pids = [int(p) for p in re.findall(r"round \d/2 \(process (\d+)\): reference [\d.]+ s, preset [\d.]+ s", proc.stderr)]
+    assert len(pids) == 2 and len(set(pids)) == 2, proc.stderr[-2000:]
+    row = next(line for line in proc.stdout.splitlines() if line.startswith("| preset |"))
+    assert re.search(r"\| (noisy: rerun \()?[\d.]+×.*2 rounds", row), row
+
+
+def test_vs_reference_stops_when_a_rounds_process_fails(tmp_path):
+    proc = _run("vs_reference.py", "--model", str(tmp_path / "no-such-model"), "--prompts", "4", "--population", "3",
+                "--max-tokens", "4", "--rounds", "2", "--repeats", "1", "--paths", "reference,preset")
+    assert proc.returncode == 1
+    assert "the process of round 1 failed" in proc.stderr
+    assert "| preset |" not in proc.stdout  # no table that looks like a result
+
+
+def test_gpu_suite_on_a_cpu_times_every_path_and_writes_its_table(tmp_path):
+    """The GPU table's script, run on a CPU (its smoke mode): every path timed in every round after the
+    warm-up, the ratios taken round by round, the JSON and markdown written."""
+    proc = _run("gpu_suite.py", "--device", "cpu", "--dtype", "float32", "--model", "embedded", "--prompts", "4",
+                "--population", "3", "--max-tokens", "4", "--rounds", "2", "--no-demo", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    (result,) = report["results"]
+    assert set(result["seconds"]) == {"reference", "sequential", "default", "preset", "limit"}
+    assert all(len(times) == 2 and min(times) > 0 for times in result["seconds"].values())
+    assert "4 prompts, round 0: preset" in proc.stderr  # the warm-up round ran and was not counted
+    for name in ("sequential", "default", "preset", "limit"):
+        ratios = [r / p for r, p in zip(result["seconds"]["reference"], result["seconds"][name])]
+        assert result["vs_reference"][name]["min"] == pytest.approx(min(ratios))
+    assert result["rows_per_call"]["preset"] == "12 (3 members × 4 prompts)"
+    assert "| limit |" in (tmp_path / "gpu_suite.md").read_text()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_suite_without_a_gpu_says_so_and_exits_2(tmp_path):
+    proc = _run("gpu_suite.py", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "no CUDA device here" in proc.stderr
+    assert not (tmp_path / "gpu_suite.json").exists()
