@@ -18,9 +18,10 @@ spell hits all alike); every measurement repeats the same work: the first iterat
 batch, each path's weights reset to the starting ones after it (untimed), so rounds differ only by the
 machine's noise. Each round runs in a fresh process after one untimed iteration of every path: rounds
 inside one process shared its heap and page placement, so their spread missed what differs between two
-runs of this script, and runs disagreed by more than their spreads (--no-round-processes: the old way); glibc's malloc thresholds are fixed for the run (esft.allocator;
---default-allocator to skip). Times are this process's CPU seconds
-(with --threads 1 barely disturbed by other jobs) and wall seconds, medians over rounds; the ratio
+runs of this script, and runs disagreed by more than their spreads (--no-round-processes: the old way).
+glibc's malloc thresholds are fixed in every process (esft.allocator; --default-allocator to skip).
+Times are the measuring process's CPU seconds (with --threads 1 barely disturbed by other jobs) and
+wall seconds, medians over rounds; the ratio
 is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
 (min–max) and the load average; a spread beyond ±10% prints "noisy: rerun" instead of a ratio.
 
@@ -237,7 +238,8 @@ def main() -> None:
 
     print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
           f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
-          f"repeats{' (each round a fresh process, warmed up)' if args.round_processes else ''}, natural completion lengths; {allocator}; {cpu_description()}")
+          f"repeats{' (each round a fresh process, warmed up)' if args.round_processes else ''}, natural completion "
+          f"lengths; {allocator}; {cpu_description()}")
     for size in (int(s) for s in args.prompts.split(",")):
         if args.round_processes:  # each round in its own process, so the spread includes what differs between runs
             cpu, wall, tokens, described = {name: [] for name in paths}, {name: [] for name in paths}, {}, ""
