@@ -26,7 +26,9 @@ alternate the measurements, --repeats times each inside a round, so a slow spell
 alike; a round's figure is its repeats' tokens over their seconds; the limit is the rows-per-call
 setting with the best median; a ratio is the median over rounds of (path / the same round's limit),
 printed with its spread (min–max) and the load average, and "noisy: rerun" instead of a ratio when a
-round strays beyond ±10% (no best-round figure: it cannot be reproduced). Timing runs with glibc's
+round strays beyond ±10% (no best-round figure: it cannot be reproduced). Each round runs in a fresh
+process after one untimed pass of every side, so the spread holds what differs between processes, as
+between two runs (--no-round-processes: every round in this process). Timing runs with glibc's
 malloc thresholds fixed (esft.allocator; --default-allocator to skip), the memory
 probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
 batching (the engine kept the population hooks of the noise it was built with): figures of
@@ -56,7 +58,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
-                              cpu_description, load_average, now, ratio_summary)
+                              cpu_description, load_average, now, ratio_summary, round_in_fresh_process)
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 
 # --------------------------------------------------------------------- setup
@@ -267,6 +269,10 @@ def main() -> None:
                              "iteration of each path; print the top operators by self CPU time")
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default malloc thresholds (noisier: see esft.allocator)")
+    parser.add_argument("--round-processes", action=argparse.BooleanOptionalAction, default=True,
+                        help="each round in a fresh process after one untimed pass of every side (default), so the "
+                             "spread includes what differs between processes; --no-round-processes: all in this one")
+    parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
     if args.memory_probe:
         memory_probe(args)
@@ -293,7 +299,19 @@ def main() -> None:
                         else {bench.seq_size, args.population * bench.batched_size})
     tokens = bench.tokens
     results: dict[str, list[dict]] = defaultdict(list)
+    if args.one_round_json:  # a per-round process: one untimed pass first (a new process's one-off costs)
+        for count in limit_rows:
+            bench.limit(count)
+        for path in paths:
+            bench.iteration(path, 0)
     for round_index in range(args.rounds):
+        if args.round_processes:
+            one = round_in_fresh_process(__file__, round_index, [])
+            for label, records in one["results"].items():
+                results[label] += records
+            print(f"round {round_index + 1}/{args.rounds} done in process {one['pid']} (load {os.getloadavg()[0]:.1f})",
+                  file=sys.stderr)
+            continue
         samples = defaultdict(list)
         for _ in range(args.repeats):  # alternating inside the round too: a slow spell hits every side alike
             for count in limit_rows:  # 1. the limit, at every rows-per-call setting
@@ -304,6 +322,9 @@ def main() -> None:
             results[label].append(summed(records))
         print(f"round {round_index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     sampler.stop()
+    if args.one_round_json:
+        Path(args.one_round_json).write_text(json.dumps({"results": dict(results), "pid": os.getpid()}))
+        return
     if args.profile:
         profile(bench, paths)
 

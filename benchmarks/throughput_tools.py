@@ -3,8 +3,11 @@ the benchmark's models, and the instrumentation that times each phase of the ES 
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -214,3 +217,17 @@ def format_ratio(summary: dict, percent: bool = False) -> str:
 def load_average() -> str:
     """The 1/5/15-minute load averages, for every printed ratio (a busy machine explains a noisy one)."""
     return "load average " + "/".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def round_in_fresh_process(script: str, round_index: int, extra: list[str]) -> dict:
+    """One round of a benchmark in a fresh process: `script` with this run's arguments, `extra`, one round
+    and --one-round-json; returns what that process wrote. Rounds of one process share its heap and page
+    placement, so their spread misses what differs between two runs; a process per round puts it in."""
+    out = Path(tempfile.mkdtemp(prefix="esft-round-")) / "round.json"
+    command = [sys.executable, script, *sys.argv[1:], *extra, "--rounds", "1", "--no-round-processes",
+               "--one-round-json", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"{Path(script).name}: the process of round {round_index + 1} failed (exit {proc.returncode}):\n"
+                 f"{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())

@@ -43,7 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model, cpu_description, format_ratio, load_average, ratio_summary  # noqa: E402
+from throughput_tools import (build_model, cpu_description, format_ratio, load_average, ratio_summary,  # noqa: E402
+                              round_in_fresh_process)
 
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 
@@ -211,7 +212,6 @@ def main() -> None:
 
     import json
     import os
-    import subprocess
 
     import torch
 
@@ -227,15 +227,6 @@ def main() -> None:
                                                          "model": described, "pid": os.getpid()}))
         return
 
-    def _round_in_fresh_process(size: int, round_: int) -> dict:
-        out = Path(tempfile.mkdtemp(prefix="esft-vsref-round-")) / "round.json"
-        command = [sys.executable, __file__, *sys.argv[1:], "--prompts", str(size), "--rounds", "1",
-                   "--no-round-processes", "--one-round-json", str(out)]
-        proc = subprocess.run(command, capture_output=True, text=True)
-        if proc.returncode != 0:
-            sys.exit(f"vs_reference: the process of round {round_ + 1} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-        return json.loads(out.read_text())
-
     print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
           f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
           f"repeats{' (each round a fresh process, warmed up)' if args.round_processes else ''}, natural completion "
@@ -244,7 +235,7 @@ def main() -> None:
         if args.round_processes:  # each round in its own process, so the spread includes what differs between runs
             cpu, wall, tokens, described = {name: [] for name in paths}, {name: [] for name in paths}, {}, ""
             for round_ in range(args.rounds):
-                one = _round_in_fresh_process(size, round_)
+                one = round_in_fresh_process(__file__, round_, ["--prompts", str(size)])
                 for name in paths:
                     cpu[name] += one["cpu"][name]
                     wall[name] += one["wall"][name]

@@ -83,3 +83,17 @@ def test_gpu_suite_without_a_gpu_says_so_and_exits_2(tmp_path):
     assert proc.returncode == 2
     assert "no CUDA device here" in proc.stderr
     assert not (tmp_path / "gpu_suite.json").exists()
+
+
+def test_throughput_runs_each_round_in_a_fresh_process_and_keeps_every_rounds_records(tmp_path):
+    out = tmp_path / "throughput.json"
+    proc = _run("throughput.py", "--threads", "1", "--population", "3", "--batch", "4", "--max-tokens", "4",
+                "--rounds", "2", "--repeats", "1", "--memory", "", "--paths", "batched-lowrank", "--natural-lengths",
+                "--limit-rows", "12", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pids = re.findall(r"round \d/2 done in process (\d+)", proc.stderr)
+    assert len(pids) == 2 and len(set(pids)) == 2, proc.stderr[-2000:]
+    summary = json.loads(out.read_text())
+    assert {label: len(records) for label, records in summary["rounds"].items()} == {"limit@12": 2, "batched-lowrank": 2}
+    ratio = summary["paths"]["batched-lowrank"]["cpu"]["ratio_eval"]
+    assert ratio["rounds"] == 2 and 0 < ratio["min"] <= ratio["median"] <= ratio["max"]
