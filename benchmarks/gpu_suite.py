@@ -14,9 +14,9 @@ completion is 64 tokens), rounds alternating the paths, each path on its own cop
   limit       plain batched greedy generation of the same N × prompts rows by esft's decoder, no
               perturbation: no exact ES path can beat it
 Round 0 warms up and is not counted (the batched paths at the full population, whose call shapes depend
-on it; the one-member-at-a-time paths with 2 members). Seconds per iteration are wall seconds (synchronised); each ratio is the median over rounds of the
-same round's (reference / path) or (limit / path), printed with its spread (min–max) and refused
-("noisy: rerun") beyond ±10%. Rows per call are esft's `--mini-batch-size auto` (from free GPU
+on it; the one-member-at-a-time paths with 2 members). Seconds per iteration are wall seconds
+(synchronised); each ratio is the median over rounds of the same round's (reference / path) or
+(limit / path), printed with its spread (min–max) and refused ("noisy: rerun") beyond ±10%. Rows per call are esft's `--mini-batch-size auto` (from free GPU
 memory); peak GPU memory is torch's max_memory_allocated during the path's iterations (all copies
 of the model stay resident, so it includes the other paths' weights: read the differences).
 Then `esft train --dtype bfloat16 --device cuda` (the demo: embedded model, its preset) runs as a

@@ -223,11 +223,12 @@ def round_in_fresh_process(script: str, round_index: int, extra: list[str]) -> d
     """One round of a benchmark in a fresh process: `script` with this run's arguments, `extra`, one round
     and --one-round-json; returns what that process wrote. Rounds of one process share its heap and page
     placement, so their spread misses what differs between two runs; a process per round puts it in."""
-    out = Path(tempfile.mkdtemp(prefix="esft-round-")) / "round.json"
-    command = [sys.executable, script, *sys.argv[1:], *extra, "--rounds", "1", "--no-round-processes",
-               "--one-round-json", str(out)]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"{Path(script).name}: the process of round {round_index + 1} failed (exit {proc.returncode}):\n"
-                 f"{proc.stderr[-3000:]}")
-    return json.loads(out.read_text())
+    with tempfile.TemporaryDirectory(prefix="esft-round-") as folder:
+        out = Path(folder) / "round.json"
+        command = [sys.executable, script, *sys.argv[1:], *extra, "--rounds", "1", "--no-round-processes",
+                   "--one-round-json", str(out)]
+        proc = subprocess.run(command, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{Path(script).name}: the process of round {round_index + 1} failed (exit {proc.returncode}):\n"
+                     f"{proc.stderr[-3000:]}")
+        return json.loads(out.read_text())
