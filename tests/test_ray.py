@@ -4,6 +4,7 @@ rewards and weights as the local executor, checksum agreement, and an actor kill
 from __future__ import annotations
 
 import os
+import platform
 import signal
 
 import pytest
@@ -81,6 +82,10 @@ def test_members_are_shared_out_and_match_the_local_executor(pool):
     assert all(slot.members > 0 for slot in executor.slots)  # both actors took members
     assert sum(slot.members for slot in executor.slots) == 8
     assert executor.checksum() == local.engine.checksum()  # same update, bit for bit, everywhere
+    settings = ray.get([slot.actor.process_settings.remote() for slot in executor.slots])
+    assert [s["threads"] for s in settings] == [1, 1]  # --ray-cpus-per-worker
+    if platform.libc_ver()[0] == "glibc":  # each actor's malloc set as in `esft train` (esft.allocator)
+        assert {s["allocator"] for s in settings} == {"allocator: glibc, heap only (no mmap, no trimming; esft.allocator)"}
 
 
 @pytest.mark.parametrize("sync", ["replay", "copy"])

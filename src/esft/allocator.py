@@ -1,14 +1,22 @@
-"""Steady glibc malloc thresholds for a training process (`esft train` and `esft eval` set them at start).
+"""Steady glibc malloc settings for a process that generates (`esft train`, `esft eval` and each Ray
+actor set them at start).
 
 By default glibc raises its mmap threshold as large blocks are freed and hands freed memory back to the
 system, so generate calls that allocate the same tensors again and again pay a varying number of page
 faults: measured on this project's 2-core CPU, 13% of a call's CPU time in the kernel and ±18% between
-identical calls. Fixing the thresholds (what the MALLOC_*_ environment variables would do at start)
-keeps blocks up to 32 MiB in the heap and freed memory in the process: `esft train` on the demo ran
-1.14× and 1.12× faster per iteration in two runs (1.11–1.14×, 1.07–1.20× over 3 alternating rounds,
-benchmarks/allocator_speed.py). The cost is
-memory: the process keeps its peak heap until it exits (a training run reaches it every iteration anyway) and
-grows it in 256 MiB steps (peak RSS of a 6-iteration demo: 965–1,135 MiB against 828–1,018 MiB with glibc's defaults).
+identical calls. Fixing the thresholds (blocks up to 32 MiB from the heap, freed memory kept, 256 MiB top
+pad) made `esft train` on the demo 1.14× and 1.12× faster per iteration (2026-11-25, machine B).
+glibc's threshold cannot go above 32 MiB, though, and the batched paths' larger blocks (stacked weights,
+key/value caches of ~1,000 rows) were still fresh mappings on every call: 111,000 page faults per
+iteration with full-rank noise and 43,000 with the demo's low-rank noise, 6% and 3% of its CPU time in
+the kernel (vs_reference.py's model and prompts, machine E, 2026-11-26), a cost that changes with how the
+VM's host backs fresh memory. So no block is mmap'd at all (M_MMAP_MAX 0): after the first iteration or
+two the heap has room for every block and an iteration takes no page faults. `esft train` with 2 threads
+against the 32 MiB threshold: faster in every round, 1.09–1.27× with the preset and 1.05–1.29× with
+`--noise iid` (3 rounds each, noisy), 1.01× (0.95–1.08×) with one thread (benchmarks/allocator_speed.py).
+The cost is memory: the process keeps its peak heap until it exits, grows it in 256 MiB steps, and
+torch's aligned blocks can leave holes the next one does not fit for a while (peak RSS of a 6-iteration
+demo 1,092–1,249 MiB against 978–1,237 MiB with the 32 MiB threshold; with `--noise iid` +100 to +180 MiB).
 
 A user who sets any of the MALLOC_*_ variables keeps their own choice; other C libraries are left alone.
 """
@@ -20,10 +28,13 @@ import ctypes.util
 import os
 
 MIB = 1 << 20
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
+USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
+                 "MALLOC_ARENA_MAX")
 # mallopt's option numbers (glibc malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
-SETTINGS = ((_M_MMAP_THRESHOLD, 32 * MIB), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 * MIB))
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4
+# No block is mmap'd: glibc's threshold stops at 32 MiB, and the batched paths' larger blocks (stacked
+# weights, key/value caches of ~1,000 rows) were fresh mappings, so fresh page faults, on every call.
+SETTINGS = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 * MIB))
 
 
 def steady_allocator() -> str:
@@ -39,4 +50,4 @@ def steady_allocator() -> str:
         return "allocator: the system's defaults (no glibc mallopt here)"
     if not all(mallopt(option, value) == 1 for option, value in SETTINGS):
         return "allocator: the system's defaults (mallopt refused)"
-    return "allocator: glibc, fixed thresholds (mmap 32 MiB, no trimming; esft.allocator)"
+    return "allocator: glibc, heap only (no mmap, no trimming; esft.allocator)"

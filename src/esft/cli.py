@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         from esft.runs.directory import open_run
         from esft.trainer import ESTrainer
 
-        steady_allocator()  # 1.1–1.2× faster iterations on CPU without glibc's varying page faults (esft.allocator)
+        steady_allocator()  # no page faults per generate call once the heap has grown (esft.allocator)
 
         try:
             run = open_run(config, point)  # claimed before the model loads: a busy directory fails fast

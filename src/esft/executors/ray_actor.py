@@ -30,6 +30,10 @@ class ESActor:
         sys.path.extend(p for p in driver_path if p not in sys.path and os.path.isdir(p))
         import torch
 
+        from esft.allocator import steady_allocator
+
+        self.allocator = steady_allocator()  # as `esft train` does in its own process: no fresh page faults per call
+
         threads = max(1, int(args.ray_cpus_per_worker))
         torch.set_num_threads(threads)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # several engines share a node's cores
@@ -63,6 +67,12 @@ class ESActor:
     def identity(self) -> tuple[int, str]:
         """(pid, node ip): names the actor in errors; the test kills the pid."""
         return os.getpid(), ray.util.get_node_ip_address()
+
+    def process_settings(self) -> dict[str, str | int]:
+        """What this actor's process runs with: malloc (esft.allocator) and torch threads."""
+        import torch
+
+        return {"allocator": self.allocator, "threads": torch.get_num_threads()}
 
     def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None = None,
                  sigma: float | None = None) -> list[MemberResult]:
