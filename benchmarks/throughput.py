@@ -29,7 +29,7 @@ printed with its spread (min–max) and the load average, and "noisy: rerun" ins
 round strays beyond ±10% (no best-round figure: it cannot be reproduced). Each round runs in a fresh
 process after one untimed pass of every side, so the spread holds what differs between processes, as
 between two runs (--no-round-processes: every round in this process). Timing runs with glibc's
-malloc thresholds fixed (esft.allocator; --default-allocator to skip), the memory
+malloc set as `esft train` sets it (esft.allocator; --default-allocator to skip), the memory
 probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
 batching (the engine kept the population hooks of the noise it was built with): figures of
 2026-11-23/24 in RESULTS.md are of that path.

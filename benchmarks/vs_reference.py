@@ -19,11 +19,14 @@ batch, each path's weights reset to the starting ones after it (untimed), so rou
 machine's noise. Each round runs in a fresh process after one untimed iteration of every path: rounds
 inside one process shared its heap and page placement, so their spread missed what differs between two
 runs of this script, and runs disagreed by more than their spreads (--no-round-processes: the old way).
-glibc's malloc thresholds are fixed in every process (esft.allocator; --default-allocator to skip).
+glibc's malloc is set in every process as `esft train` sets it (esft.allocator; --default-allocator to skip).
 Times are the measuring process's CPU seconds (with --threads 1 barely disturbed by other jobs) and
 wall seconds, medians over rounds; the ratio
 is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
 (min–max) and the load average; a spread beyond ±10% prints "noisy: rerun" instead of a ratio.
+--neighbour runs another job beside it (a process copying 256 MiB arrays on the other core): it slows the
+paths unequally (on machine E the batched ones 8-14%, the reference at most 4%), so what else shares the
+host, unseen in a VM, moves the ratios (benchmarks/RESULTS.md, "Heap only, and what moves ...").
 
     python benchmarks/vs_reference.py --model embedded --prompts 32,200          # 5 rounds
     python benchmarks/vs_reference.py --model 30m --prompts 32,200 --rounds 3
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +51,10 @@ from throughput_tools import (build_model, cpu_description, format_ratio, load_a
                               round_in_fresh_process)
 
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
+
+
+# --neighbour: another job streaming through memory on the other core, until killed
+NEIGHBOUR = "import numpy as n\na = n.ones(1 << 25); b = n.empty_like(a)\nwhile True: n.copyto(b, a)"
 
 
 class ReferenceLoop:
@@ -135,7 +143,10 @@ class EsftPath:
 def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     """`rounds` rounds in this process: each path on its own copy of the model, --repeats alternating
     measurements per round of the same work (iteration 0's seeds and prompts, weights reset after each);
-    with `warm_up` one untimed iteration per path first. Returns (cpu, wall, mean reward, model description)."""
+    with `warm_up` one untimed iteration per path first. Returns (cpu, wall, page faults, mean reward, model
+    description); the first three per path and round, a round's figure the mean of its repeats."""
+    import resource
+
     import numpy as np
     import torch
 
@@ -151,6 +162,7 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
                          if name == "reference" else EsftPath(name, model, tokenizer, args))
     cpu: dict[str, list[float]] = {name: [] for name in paths}
     wall: dict[str, list[float]] = {name: [] for name in paths}
+    faults: dict[str, list[float]] = {name: [] for name in paths}  # minor page faults: fresh memory touched
     tokens: dict[str, float] = {}
     seeds = strategy.ask(strategy.ESState(0, 0), args.population)  # the same work every round
     batch = prompt_batch(task.train_dataset, 0, size, 0)
@@ -169,17 +181,20 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
         for name in paths:
             cpu[name].append(0.0)
             wall[name].append(0.0)
+            faults[name].append(0.0)
         for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their mean
             for name in paths:
+                started_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
                 started_wall, started_cpu = time.perf_counter(), time.process_time()
                 rewards = run(name)
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()
                 cpu[name][-1] += (time.process_time() - started_cpu) / args.repeats
                 wall[name][-1] += (time.perf_counter() - started_wall) / args.repeats
+                faults[name][-1] += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - started_faults) / args.repeats
                 runners[name].reset()  # untimed: the next measurement starts from the same weights
                 tokens[name] = float(np.mean(rewards))
-    return cpu, wall, tokens, described
+    return cpu, wall, faults, tokens, described
 
 
 def _mini_batch(value: str):
@@ -207,6 +222,10 @@ def main() -> None:
                         help="each round in a fresh process after one untimed iteration per path (default), so the "
                              "spread includes what differs between processes (heap and page placement), as between "
                              "two runs of the script; --no-round-processes: all rounds in this process")
+    parser.add_argument("--neighbour", action="store_true",
+                        help="run a process copying 256 MiB arrays over and over beside the measurement (memory "
+                             "bandwidth and the shared cache taken, as by another job on the machine), to see how "
+                             "the ratios depend on what shares the host")
     parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
 
@@ -222,40 +241,56 @@ def main() -> None:
     task = make_countdown_task(seed=0, difficulty="easy")
     paths = args.paths.split(",")
     if args.one_round_json:  # a per-round process: one warmed-up round, its figures to the parent as JSON
-        cpu, wall, tokens, described = measure_rounds(args, task, paths, int(args.prompts), 1, warm_up=True)
-        Path(args.one_round_json).write_text(json.dumps({"cpu": cpu, "wall": wall, "tokens": tokens,
+        cpu, wall, faults, tokens, described = measure_rounds(args, task, paths, int(args.prompts), 1, warm_up=True)
+        Path(args.one_round_json).write_text(json.dumps({"cpu": cpu, "wall": wall, "faults": faults, "tokens": tokens,
                                                          "model": described, "pid": os.getpid()}))
         return
 
+    neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if args.neighbour else None
+    if neighbour is not None:
+        print(f"a neighbour copying 256 MiB arrays: process {neighbour.pid}", file=sys.stderr, flush=True)
+    try:
+        _measure_and_print(args, task, paths, allocator)
+    finally:
+        if neighbour is not None:
+            neighbour.kill()
+            neighbour.wait()
+
+
+def _measure_and_print(args, task, paths: list[str], allocator: str) -> None:
+    """Every prompt size: its rounds (each in a fresh process unless --no-round-processes), then its table."""
     print(f"# vs_reference: model {args.model} ({args.dtype} on {args.device}), N = {args.population}, max "
           f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
           f"repeats{' (each round a fresh process, warmed up)' if args.round_processes else ''}, natural completion "
-          f"lengths; {allocator}; {cpu_description()}")
+          f"lengths; {allocator}; {cpu_description()}{'; a neighbour copying 256 MiB arrays' if args.neighbour else ''}")
     for size in (int(s) for s in args.prompts.split(",")):
         if args.round_processes:  # each round in its own process, so the spread includes what differs between runs
-            cpu, wall, tokens, described = {name: [] for name in paths}, {name: [] for name in paths}, {}, ""
+            cpu, wall, faults = ({name: [] for name in paths} for _ in range(3))
+            tokens, described = {}, ""
             for round_ in range(args.rounds):
                 one = round_in_fresh_process(__file__, round_, ["--prompts", str(size)])
                 for name in paths:
                     cpu[name] += one["cpu"][name]
                     wall[name] += one["wall"][name]
+                    faults[name] += one["faults"][name]
                 tokens, described = one["tokens"], one["model"]
                 print(f"  {size} prompts: round {round_ + 1}/{args.rounds} (process {one['pid']}): " + ", ".join(
                     f"{name} {one['cpu'][name][0]:.2f} s" for name in paths), file=sys.stderr, flush=True)
         else:
-            cpu, wall, tokens, described = measure_rounds(args, task, paths, size, args.rounds, warm_up=False)
+            cpu, wall, faults, tokens, described = measure_rounds(args, task, paths, size, args.rounds, warm_up=False)
         clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
         print(f"\n## {size} prompts per iteration ({described}); {load_average()}")
         which = "wall" if clock is wall else "CPU"
         print(f"| path | CPU s/iteration (median, min–max) | wall s/iteration (median) | reference / path ({which}; "
-              f"median of the rounds' ratios, min–max) | mean reward |")
-        print("| --- | --- | --- | --- | --- |")
+              f"median of the rounds' ratios, min–max) | mean reward | page faults per iteration (median) |")
+        print("| --- | --- | --- | --- | --- | --- |")
         for name in paths:
             c, w = statistics.median(cpu[name]), statistics.median(wall[name])
             ratio = "—"
             if "reference" in clock and name != "reference":  # each round's ratio, so a load spike hits both sides
                 ratio = format_ratio(ratio_summary([r / p for r, p in zip(clock["reference"], clock[name])]))
-            print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | {ratio} | {tokens[name]:.3f} |")
+            print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | {ratio} | {tokens[name]:.3f} | "
+                  f"{statistics.median(faults[name]):,.0f} |")
         sys.stdout.flush()
 
 

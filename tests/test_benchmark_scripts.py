@@ -49,14 +49,19 @@ def test_vs_reference_runs_each_round_in_a_fresh_warmed_up_process():
     assert len(pids) == 2 and len(set(pids)) == 2, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| preset |"))
     assert re.search(r"\| (noisy: rerun \()?[\d.]+×.*2 rounds", row), row
+    assert re.fullmatch(r"[\d,]+", row.split("|")[6].strip()), row  # page faults per iteration, from the rounds' JSON
 
 
 def test_vs_reference_stops_when_a_rounds_process_fails(tmp_path):
+    """No table that looks like a result, and the --neighbour process it started is gone too."""
     proc = _run("vs_reference.py", "--model", str(tmp_path / "no-such-model"), "--prompts", "4", "--population", "3",
-                "--max-tokens", "4", "--rounds", "2", "--repeats", "1", "--paths", "reference,preset")
+                "--max-tokens", "4", "--rounds", "2", "--repeats", "1", "--paths", "reference,preset", "--neighbour")
     assert proc.returncode == 1
     assert "the process of round 1 failed" in proc.stderr
-    assert "| preset |" not in proc.stdout  # no table that looks like a result
+    assert "| preset |" not in proc.stdout
+    neighbour = int(re.search(r"a neighbour copying 256 MiB arrays: process (\d+)", proc.stderr).group(1))
+    with pytest.raises(ProcessLookupError):
+        os.kill(neighbour, 0)
 
 
 def test_gpu_suite_on_a_cpu_times_every_path_and_writes_its_table(tmp_path):

@@ -11,12 +11,14 @@ key/value caches of ~1,000 rows) were still fresh mappings on every call: 111,00
 iteration with full-rank noise and 43,000 with the demo's low-rank noise, 6% and 3% of its CPU time in
 the kernel (vs_reference.py's model and prompts, machine E, 2026-11-26), a cost that changes with how the
 VM's host backs fresh memory. So no block is mmap'd at all (M_MMAP_MAX 0): after the first iteration or
-two the heap has room for every block and an iteration takes no page faults. `esft train` with 2 threads
-against the 32 MiB threshold: faster in every round, 1.09–1.27× with the preset and 1.05–1.29× with
-`--noise iid` (3 rounds each, noisy), 1.01× (0.95–1.08×) with one thread (benchmarks/allocator_speed.py).
+two the heap has room for every block and an iteration takes no page faults (a whole 6-iteration
+`esft train --noise iid`: 280,000–320,000 faults, 1.4–1.7 s in the kernel, against 510,000–550,000 and
+2.0–2.5 s with the 32 MiB threshold). Per iteration that was not measurably faster on E, where the host's
+noise is larger (one thread, the preset: 1.01×, 0.95–1.08× over 5 rounds; two threads 0.85–1.29×), but
+the cost no longer depends on the host (benchmarks/allocator_speed.py, benchmarks/RESULTS.md).
 The cost is memory: the process keeps its peak heap until it exits, grows it in 256 MiB steps, and
 torch's aligned blocks can leave holes the next one does not fit for a while (peak RSS of a 6-iteration
-demo 1,092–1,249 MiB against 978–1,237 MiB with the 32 MiB threshold; with `--noise iid` +100 to +180 MiB).
+demo 1.1–1.25 GiB, 0–0.1 GiB more than with the 32 MiB threshold).
 
 A user who sets any of the MALLOC_*_ variables keeps their own choice; other C libraries are left alone.
 """
