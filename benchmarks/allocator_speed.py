@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shlex
 import statistics
 import subprocess
@@ -31,14 +30,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import cpu_description, format_ratio, load_average, ratio_summary  # noqa: E402
 
+from esft import allocator  # noqa: E402
+
 ESFT = [sys.executable, "-m", "esft.cli"]
 
 
-MIB = 1 << 20
+_SET = dict(allocator.SETTINGS)  # esft's own trim threshold and top pad, so the sides differ only in mmap
 SIDES = {
     "glibc's own": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))},
-    "mmap > 32 MiB": {"MALLOC_MMAP_THRESHOLD_": str(32 * MIB), "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
-                      "MALLOC_TOP_PAD_": str(256 * MIB)},
+    "mmap > 32 MiB": {"MALLOC_MMAP_THRESHOLD_": str(32 * allocator.MIB),
+                      "MALLOC_TRIM_THRESHOLD_": str(_SET[allocator._M_TRIM_THRESHOLD]),
+                      "MALLOC_TOP_PAD_": str(_SET[allocator._M_TOP_PAD])},
     "esft train": {},
 }
 
