@@ -35,12 +35,11 @@ from esft import allocator  # noqa: E402
 ESFT = [sys.executable, "-m", "esft.cli"]
 
 
-_SET = dict(allocator.SETTINGS)  # esft's own trim threshold and top pad, so the sides differ only in mmap
 SIDES = {
     "glibc's own": {"MALLOC_ARENA_MAX": str(8 * (os.cpu_count() or 1))},
+    # esft's own trim threshold and top pad, so the two sides differ only in what is mmap'd
     "mmap > 32 MiB": {"MALLOC_MMAP_THRESHOLD_": str(32 * allocator.MIB),
-                      "MALLOC_TRIM_THRESHOLD_": str(_SET[allocator._M_TRIM_THRESHOLD]),
-                      "MALLOC_TOP_PAD_": str(_SET[allocator._M_TOP_PAD])},
+                      **{name: str(value) for name, value in allocator.SETTINGS.items() if name != "MALLOC_MMAP_MAX_"}},
     "esft train": {},
 }
 

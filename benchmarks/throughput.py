@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from throughput_memory import memory_probe, memory_report  # noqa: E402
 from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
                               cpu_description, load_average, now, ratio_summary, round_in_fresh_process)
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
@@ -190,48 +191,6 @@ def summed(records: list[dict]) -> dict:
     return sum(records) if isinstance(first, (int, float)) else first
 
 
-# ------------------------------------------------------------------- memory
-def memory_probe(args) -> None:
-    """In a fresh process: one measurement (`limit@ROWS` or a path), RSS before and at its peak."""
-    sampler = RSSSampler(0.002)
-    bench = Bench(args, sampler)
-    label = args.memory_probe
-    sampler.phase(label)
-    bench.limit(bench.rows_per_call(label)) if label.startswith("limit@") else bench.iteration(label, 0)
-    sampler.phase("idle")
-    sampler.stop()
-    print(json.dumps({"label": label, "rows": bench.rows_per_call(label), "rss_libraries": bench.rss_libraries,
-                      "rss_ready": bench.rss_ready, "peak": sampler.peaks[label], "weights": bench.weights_bytes,
-                      "master": bench.master_bytes, "kv": bench.kv_bytes(bench.rows_per_call(label))}))
-
-
-def memory_report(args, labels: list[str]) -> dict:
-    """Each label in its own process (a process's heap keeps what earlier phases freed)."""
-    import subprocess
-
-    forwarded = []
-    for name in ("model", "population", "batch", "max_tokens", "seq_mini_batch_size", "batched_mini_batch_size",
-                 "rank", "sigma", "threads", "paths", "reward_cost_ms"):
-        value = getattr(args, name)
-        if value is not None:
-            forwarded += [f"--{name.replace('_', '-')}", str(value)]
-    forwarded += ["--natural-lengths"] if args.natural_lengths else []
-    probes = {}
-    for label in labels:
-        result = subprocess.run([sys.executable, __file__, *forwarded, "--memory-probe", label],
-                                capture_output=True, text=True, check=True)
-        probes[label] = json.loads(result.stdout.strip().splitlines()[-1])
-    print("\nmemory, each measurement in a fresh process (RSS; 'runtime' = RSS once loaded and warmed up, minus "
-          "weights and master; budget = runtime + 1.1 × (weights + float32 master + KV cache)):")
-    for label, p in probes.items():
-        runtime = p["rss_ready"] - p["weights"] - p["master"]
-        budget = runtime + 1.1 * (p["weights"] + p["master"] + p["kv"])
-        print(f"  {label:<16} {p['rows']:>4} rows/call: peak {p['peak'] / MB:6.0f} MiB = runtime {runtime / MB:.0f} + "
-              f"{(p['peak'] - runtime) / MB:.0f} MiB; budget {budget / MB:.0f} MiB (weights {p['weights'] / MB:.1f}, "
-              f"master {p['master'] / MB:.1f}, KV {p['kv'] / MB:.0f}); {'within' if p['peak'] <= budget else 'OVER'}")
-    return probes
-
-
 # --------------------------------------------------------------------- main
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -274,14 +233,14 @@ def main() -> None:
                              "spread includes what differs between processes; --no-round-processes: all in this one")
     parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
-    if args.memory_probe:
-        memory_probe(args)
+    if args.memory_probe:  # one measurement in this fresh process, for memory_report
+        memory_probe(lambda sampler: Bench(args, sampler), args.memory_probe)
         return
 
     if args.rounds == 0:  # memory only
         batched_size = args.batched_mini_batch_size or args.batch
-        memory_report(args, [f"limit@{args.population * batched_size}" if m == "limit" else m
-                             for m in args.memory.split(",") if m])
+        memory_report(__file__, args, [f"limit@{args.population * batched_size}" if m == "limit" else m
+                                       for m in args.memory.split(",") if m])
         return
     allocator = "allocator: the system's defaults (--default-allocator)" if args.default_allocator else steady_allocator()
     sampler = RSSSampler()
@@ -389,7 +348,7 @@ def main() -> None:
     if args.memory:
         labels = [f"limit@{args.population * bench.batched_size}" if m == "limit" else m
                   for m in args.memory.split(",") if m]
-        summary["memory"] = memory_report(args, labels)
+        summary["memory"] = memory_report(__file__, args, labels)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, default=float))
 

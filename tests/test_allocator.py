@@ -34,7 +34,7 @@ def _probe(code: str = PROBE, **extra: str) -> str:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
 
 
-def test_thresholds_are_fixed_in_a_fresh_process():
+def test_a_fresh_process_gets_heap_only_malloc():
     assert _probe().strip() == "allocator: glibc, heap only (no mmap, no trimming; esft.allocator)"
 
 
@@ -43,6 +43,14 @@ def test_a_large_freed_block_is_reused_without_page_faults():
     reuses the freed ones once it has settled."""
     assert int(_probe(REUSE_PROBE)) < 1_000
     assert int(_probe(REUSE_PROBE, MALLOC_ARENA_MAX="16")) > 4 * 15_000  # the user's choice: glibc's defaults
+
+
+def test_settings_given_as_environment_variables_give_the_same_heap():
+    """benchmarks/allocator_speed.py sets its sides through MALLOC_*_ variables: esft.allocator.SETTINGS
+    written there must make the same malloc as steady_allocator's mallopt calls."""
+    from esft.allocator import SETTINGS
+
+    assert int(_probe(REUSE_PROBE, **{name: str(value) for name, value in SETTINGS.items()})) < 1_000
 
 
 def test_a_users_malloc_variable_is_respected():

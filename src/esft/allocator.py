@@ -32,11 +32,13 @@ import os
 MIB = 1 << 20
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
                  "MALLOC_ARENA_MAX")
-# mallopt's option numbers (glibc malloc.h)
-_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -2, -3, -4
+# mallopt's option number for each setting, named by the environment variable that sets it (glibc malloc.h)
+MALLOPT_OPTIONS = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
+                   "MALLOC_MMAP_MAX_": -4}
 # No block is mmap'd: glibc's threshold stops at 32 MiB, and the batched paths' larger blocks (stacked
 # weights, key/value caches of ~1,000 rows) were fresh mappings, so fresh page faults, on every call.
-SETTINGS = ((_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, 2**31 - 1), (_M_TOP_PAD, 256 * MIB))
+# The same values in the environment (MALLOC_MMAP_MAX_=0 ...) give a process the same malloc.
+SETTINGS = {"MALLOC_MMAP_MAX_": 0, "MALLOC_TRIM_THRESHOLD_": 2**31 - 1, "MALLOC_TOP_PAD_": 256 * MIB}
 
 
 def steady_allocator() -> str:
@@ -50,6 +52,6 @@ def steady_allocator() -> str:
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return "allocator: the system's defaults (no glibc mallopt here)"
-    if not all(mallopt(option, value) == 1 for option, value in SETTINGS):
+    if not all(mallopt(MALLOPT_OPTIONS[name], value) == 1 for name, value in SETTINGS.items()):
         return "allocator: the system's defaults (mallopt refused)"
     return "allocator: glibc, heap only (no mmap, no trimming; esft.allocator)"
