@@ -30,11 +30,11 @@ import ctypes.util
 import os
 
 MIB = 1 << 20
-USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_",
-                 "MALLOC_ARENA_MAX")
 # mallopt's option number for each setting, named by the environment variable that sets it (glibc malloc.h)
 MALLOPT_OPTIONS = {"MALLOC_TRIM_THRESHOLD_": -1, "MALLOC_TOP_PAD_": -2, "MALLOC_MMAP_THRESHOLD_": -3,
                    "MALLOC_MMAP_MAX_": -4}
+# a user who sets any of these keeps their own malloc
+USER_SETTINGS = (*MALLOPT_OPTIONS, "MALLOC_ARENA_MAX")
 # No block is mmap'd: glibc's threshold stops at 32 MiB, and the batched paths' larger blocks (stacked
 # weights, key/value caches of ~1,000 rows) were fresh mappings, so fresh page faults, on every call.
 # The same values in the environment (MALLOC_MMAP_MAX_=0 ...) give a process the same malloc.
