@@ -239,7 +239,7 @@ def main() -> None:
 
     if args.rounds == 0:  # memory only
         batched_size = args.batched_mini_batch_size or args.batch
-        memory_report(__file__, args, [f"limit@{args.population * batched_size}" if m == "limit" else m
+        memory_report(__file__, [f"limit@{args.population * batched_size}" if m == "limit" else m
                                        for m in args.memory.split(",") if m])
         return
     allocator = "allocator: the system's defaults (--default-allocator)" if args.default_allocator else steady_allocator()
@@ -348,7 +348,7 @@ def main() -> None:
     if args.memory:
         labels = [f"limit@{args.population * bench.batched_size}" if m == "limit" else m
                   for m in args.memory.split(",") if m]
-        summary["memory"] = memory_report(__file__, args, labels)
+        summary["memory"] = memory_report(__file__, labels)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1, default=float))
 

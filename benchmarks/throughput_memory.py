@@ -5,14 +5,8 @@ earlier phases freed. Peak RSS (sampled every 2 ms) against a budget of what mus
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
-from throughput_tools import MB, RSSSampler
-
-# throughput.py's options that shape the work, forwarded to each probe process
-FORWARDED = ("model", "population", "batch", "max_tokens", "seq_mini_batch_size", "batched_mini_batch_size",
-             "rank", "sigma", "threads", "paths", "reward_cost_ms")
+from throughput_tools import MB, RSSSampler, run_self
 
 
 def memory_probe(make_bench, label: str) -> None:
@@ -29,18 +23,13 @@ def memory_probe(make_bench, label: str) -> None:
                       "master": bench.master_bytes, "kv": bench.kv_bytes(bench.rows_per_call(label))}))
 
 
-def memory_report(script: str, args, labels: list[str]) -> dict:
-    """Runs `script --memory-probe LABEL` with args' work options for each label; prints and returns them."""
-    forwarded = []
-    for name in FORWARDED:
-        value = getattr(args, name)
-        if value is not None:
-            forwarded += [f"--{name.replace('_', '-')}", str(value)]
-    forwarded += ["--natural-lengths"] if args.natural_lengths else []
+def memory_report(script: str, labels: list[str]) -> dict:
+    """Runs `script` with this run's arguments and --memory-probe LABEL for each label (the probe branch
+    comes first in the script, so the run's --rounds, --memory and --json do not reach it); prints and
+    returns what they measured."""
     probes = {}
     for label in labels:
-        result = subprocess.run([sys.executable, script, *forwarded, "--memory-probe", label],
-                                capture_output=True, text=True)
+        result = run_self(script, ["--memory-probe", label])
         if result.returncode != 0:
             raise SystemExit(f"memory probe {label} failed (exit {result.returncode}):\n{result.stderr[-2000:]}")
         probes[label] = json.loads(result.stdout.strip().splitlines()[-1])

@@ -219,15 +219,20 @@ def load_average() -> str:
     return "load average " + "/".join(f"{v:.2f}" for v in os.getloadavg())
 
 
+def run_self(script: str, extra: list[str]) -> subprocess.CompletedProcess:
+    """`script` again in a fresh process with this run's own arguments (sys.argv) and then `extra`, whose
+    options win (argparse keeps an option's last value): every option that shapes the work reaches the
+    child without a hand-kept list that a new option could miss."""
+    return subprocess.run([sys.executable, script, *sys.argv[1:], *extra], capture_output=True, text=True)
+
+
 def round_in_fresh_process(script: str, round_index: int, extra: list[str]) -> dict:
     """One round of a benchmark in a fresh process: `script` with this run's arguments, `extra`, one round
     and --one-round-json; returns what that process wrote. Rounds of one process share its heap and page
     placement, so their spread misses what differs between two runs; a process per round puts it in."""
     with tempfile.TemporaryDirectory(prefix="esft-round-") as folder:
         out = Path(folder) / "round.json"
-        command = [sys.executable, script, *sys.argv[1:], *extra, "--rounds", "1", "--no-round-processes",
-                   "--one-round-json", str(out)]
-        proc = subprocess.run(command, capture_output=True, text=True)
+        proc = run_self(script, [*extra, "--rounds", "1", "--no-round-processes", "--one-round-json", str(out)])
         if proc.returncode != 0:
             sys.exit(f"{Path(script).name}: the process of round {round_index + 1} failed (exit {proc.returncode}):\n"
                      f"{proc.stderr[-3000:]}")

@@ -106,12 +106,14 @@ def test_throughput_runs_each_round_in_a_fresh_process_and_keeps_every_rounds_re
 
 def test_throughput_measures_memory_of_each_side_in_its_own_process():
     """--rounds 0: only the memory measurements, each in a fresh probe process, each printed with its peak
-    against its budget; a probe that fails stops the script with its error instead of a table."""
+    against its budget; a probe that fails stops the script with its error instead of a table. The run's
+    options reach each probe: 2 prompts per call of 3 members are 6 rows, not the batch's 12."""
     proc = _run("throughput.py", "--threads", "1", "--population", "3", "--batch", "4", "--max-tokens", "4",
-                "--rounds", "0", "--memory", "limit,batched-lowrank", "--paths", "batched-lowrank")
+                "--batched-mini-batch-size", "2", "--rounds", "0", "--memory", "limit,batched-lowrank",
+                "--paths", "batched-lowrank")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = re.findall(r"^  (\S+) +(\d+) rows/call: peak +(\d+) MiB = .*; (within|OVER)$", proc.stdout, re.M)
-    assert [(label, int(count)) for label, count, _, _ in rows] == [("limit@12", 12), ("batched-lowrank", 12)]
+    assert [(label, int(count)) for label, count, _, _ in rows] == [("limit@6", 6), ("batched-lowrank", 6)]
     assert all(int(peak) > 100 for _, _, peak, _ in rows)  # torch and a model are resident: not a zero reading
     failed = _run("throughput.py", "--threads", "1", "--population", "3", "--batch", "4", "--max-tokens", "4",
                   "--rounds", "0", "--memory", "no-such-path", "--paths", "batched-lowrank")

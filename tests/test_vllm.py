@@ -5,6 +5,7 @@ whole test session (starting one takes ~20 s); each test leaves it at the base w
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -92,6 +93,13 @@ def test_same_seed_same_perturbation_as_transformers(vllm_engine, vllm_model_dir
     vllm_engine.perturb(7, 0.5)
     expected = reference.master[name] + 0.5 * draw_noise(noise, 7, index, reference.master[name].shape)
     assert torch.equal(vllm_engine.current_weights()[name], expected)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="esft.allocator sets glibc's malloc only")
+def test_the_worker_process_runs_with_esft_train_s_malloc(vllm_engine):
+    """vLLM's worker process runs the forward passes: its malloc is set as in `esft train` (heap only), not
+    left at glibc's defaults that give every generate call fresh page faults."""
+    assert vllm_engine.worker_allocator == "allocator: glibc, heap only (no mmap, no trimming; esft.allocator)"
 
 
 def test_restore_is_bit_exact_and_brings_completions_back(vllm_engine):

@@ -1,5 +1,5 @@
-"""Steady glibc malloc settings for a process that generates (`esft train`, `esft eval` and each Ray
-actor set them at start).
+"""Steady glibc malloc settings for a process that generates (`esft train`, `esft eval`, each Ray
+actor and each vLLM worker process set them at start).
 
 By default glibc raises its mmap threshold as large blocks are freed and hands freed memory back to the
 system, so generate calls that allocate the same tensors again and again pay a varying number of page
@@ -15,7 +15,10 @@ two the heap has room for every block and an iteration takes no page faults (a w
 `esft train --noise iid`: 280,000–320,000 faults, 1.4–1.7 s in the kernel, against 510,000–550,000 and
 2.0–2.5 s with the 32 MiB threshold). Per iteration that was not measurably faster on E, where the host's
 noise is larger (one thread, the preset: 1.01×, 0.95–1.08× over 5 rounds; two threads 0.85–1.29×), but
-the cost no longer depends on the host (benchmarks/allocator_speed.py, benchmarks/RESULTS.md).
+the cost no longer depends on the host (benchmarks/allocator_speed.py, benchmarks/RESULTS.md). vLLM's
+worker process (the demo model, 32 prompts per generate call, 2026-11-27, machine E): 1,000-1,800 page
+faults per call with glibc's defaults, 4 with these; 0.40-0.42 s against 0.35-0.42 s per call (two
+processes each, 12 calls): not measurably faster either.
 The cost is memory: the process keeps its peak heap until it exits, grows it in 256 MiB steps, and
 torch's aligned blocks can leave holes the next one does not fit for a while (peak RSS of a 6-iteration
 demo 1.1–1.25 GiB, 0–0.1 GiB more than with the 32 MiB threshold).

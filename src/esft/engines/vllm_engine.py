@@ -121,6 +121,8 @@ class VLLMEngine:
         )
         summaries = self._rpc("esft_setup", self.hf_params, cpu_gemm)
         self._unmapped = set(summaries[0]["unmapped"])
+        self.worker_allocator = summaries[0]["allocator"]
+        """The malloc of vLLM's worker process, which runs the forward passes (esft.allocator), in words."""
         self.adapter_indices = set(self._rpc("esft_adapter_setup")[0])  # HF matrices vLLM serves as LoRA
         self.eos_token_ids = _eos_ids(self.model_path, self.tokenizer)
         self.configure(trainable=trainable, noise=noise)

@@ -114,6 +114,11 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
             return self._esft_setup(hf_params, cpu_gemm)
 
     def _esft_setup(self, hf_params, cpu_gemm: str) -> dict:
+        from esft.allocator import steady_allocator
+
+        # This worker process runs the forward passes: malloc as `esft train` sets it (esft.allocator),
+        # else glibc's defaults give each generate call ~1,000-1,800 fresh page faults (demo model).
+        allocator = steady_allocator()
         model = self.model_runner.model
         self._esft_model = model
         self._esft_params = dict(model.named_parameters())
@@ -132,7 +137,7 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
                 self._esft_layers.setdefault(name, []).append(layer)
         self.esft_set_cpu_gemm(cpu_gemm)
         unmapped = [self._esft_hf[i][0] for i, blocks in self._esft_blocks.items() if not blocks]
-        return {"unmapped": unmapped, "packed_layers": len(_PACKED_LAYERS)}
+        return {"unmapped": unmapped, "packed_layers": len(_PACKED_LAYERS), "allocator": allocator}
 
     def esft_set_cpu_gemm(self, mode: str) -> None:
         """CPU only: "repack" (vLLM's packed kernels, packed again after each weight change) or
