@@ -240,7 +240,7 @@ def main() -> None:
     if args.rounds == 0:  # memory only
         batched_size = args.batched_mini_batch_size or args.batch
         memory_report(__file__, [f"limit@{args.population * batched_size}" if m == "limit" else m
-                                       for m in args.memory.split(",") if m])
+                                 for m in args.memory.split(",") if m])
         return
     allocator = "allocator: the system's defaults (--default-allocator)" if args.default_allocator else steady_allocator()
     sampler = RSSSampler()
