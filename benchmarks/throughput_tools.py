@@ -219,11 +219,11 @@ def load_average() -> str:
     return "load average " + "/".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def run_self(script: str, extra: list[str]) -> subprocess.CompletedProcess:
+def run_self(script: str, extra: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
     """`script` again in a fresh process with this run's own arguments (sys.argv) and then `extra`, whose
     options win (argparse keeps an option's last value): every option that shapes the work reaches the
-    child without a hand-kept list that a new option could miss."""
-    return subprocess.run([sys.executable, script, *sys.argv[1:], *extra], capture_output=True, text=True)
+    child without a hand-kept list that a new option could miss. `env`: the child's environment if given."""
+    return subprocess.run([sys.executable, script, *sys.argv[1:], *extra], capture_output=True, text=True, env=env)
 
 
 def round_in_fresh_process(script: str, round_index: int, extra: list[str]) -> dict:

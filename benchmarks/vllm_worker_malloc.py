@@ -16,14 +16,13 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import format_ratio, load_average, ratio_summary  # noqa: E402
+from throughput_tools import format_ratio, load_average, ratio_summary, run_self  # noqa: E402
 
 
 def worker_counters(worker) -> dict:
@@ -59,13 +58,12 @@ def one_side(args) -> dict:
         engine.close()
 
 
-def run_side(side: str, args) -> dict:
+def run_side(side: str) -> dict:
+    """This script again with the run's options as one side's process; what it measured."""
     env = dict(os.environ, VLLM_ALLOW_INSECURE_SERIALIZATION="1")
     if side == "glibc":
         env["MALLOC_ARENA_MAX"] = str(8 * os.cpu_count())  # glibc's own limit: esft.allocator stands aside
-    command = [sys.executable, __file__, "--side", side, "--calls", str(args.calls), "--prompts", str(args.prompts),
-               "--max-tokens", str(args.max_tokens)]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    proc = run_self(__file__, ["--side", side], env=env)
     if proc.returncode != 0:
         sys.exit(f"the {side} side's process failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -86,20 +84,22 @@ def main() -> None:
     sides = {"glibc": [], "heap": []}
     for round_index in range(args.rounds):
         for side in sides:
-            sides[side].append(run_side(side, args))
+            sides[side].append(run_side(side))
         print(f"round {round_index + 1}/{args.rounds} done (load {os.getloadavg()[0]:.1f})", file=sys.stderr)
     print(f"vLLM worker, embedded model, {args.prompts} prompts × up to {args.max_tokens} tokens per generate call; "
           f"{args.calls} calls per process, medians; {args.rounds} processes per side; {load_average()}")
     print("| side | worker's malloc | page faults per call (each process: median, max) | worker CPU s per call | "
           "wall s per call |")
     print("| --- | --- | --- | --- | --- |")
-    for side, runs in sides.items():  # glibc's own faults come in bursts: a process's largest call shows them
-        faults = ", ".join(f"{median(c['faults'] for c in run['calls']):,.0f} ({max(c['faults'] for c in run['calls']):,})"
-                           for run in runs)
-        shown = {key: ", ".join(f"{median(c[key] for c in run['calls']):.3f}" for run in runs) for key in ("cpu", "wall")}
-        print(f"| {side} | {runs[0]['allocator']} | {faults} | {shown['cpu']} | {shown['wall']} |")
-    ratios = ratio_summary([median(c["wall"] for c in g["calls"]) / median(c["wall"] for c in h["calls"])
-                            for g, h in zip(sides["glibc"], sides["heap"])])
+    # each process's medians over its calls, and its largest call's faults (glibc's own come in bursts)
+    per_process = {side: [{**{key: median(c[key] for c in run["calls"]) for key in ("faults", "cpu", "wall")},
+                           "most_faults": max(c["faults"] for c in run["calls"])} for run in runs]
+                   for side, runs in sides.items()}
+    for side, processes in per_process.items():
+        faults = ", ".join(f"{p['faults']:,.0f} ({p['most_faults']:,})" for p in processes)
+        shown = {key: ", ".join(f"{p[key]:.3f}" for p in processes) for key in ("cpu", "wall")}
+        print(f"| {side} | {sides[side][0]['allocator']} | {faults} | {shown['cpu']} | {shown['wall']} |")
+    ratios = ratio_summary([g["wall"] / h["wall"] for g, h in zip(per_process["glibc"], per_process["heap"])])
     print(f"glibc / heap only, wall seconds per call (median of the rounds' ratios): {format_ratio(ratios)}")
 
 
