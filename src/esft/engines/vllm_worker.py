@@ -118,7 +118,7 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
 
         # This worker process runs the forward passes: malloc as `esft train` sets it (esft.allocator),
         # else glibc's defaults give generate calls a varying number of fresh page faults (demo model,
-        # 32 prompts: a process's median from 5 to 1,800 per call; heap only: 4-11).
+        # 32 prompts: a process's median from 4 to 1,800 per call; heap only: 3-5).
         allocator = steady_allocator()
         model = self.model_runner.model
         self._esft_model = model
