@@ -25,12 +25,12 @@ same prompts, iteration 0's member seeds, the weights reset after each update, u
 alternate the measurements, --repeats times each inside a round, so a slow spell hits all of them
 alike; a round's figure is its repeats' tokens over their seconds; the limit is the rows-per-call
 setting with the best median; a ratio is the median over rounds of (path / the same round's limit),
-printed with its spread (min–max) and the load average, and "noisy: rerun" instead of a ratio when a
-round strays beyond ±10% (no best-round figure: it cannot be reproduced). Each round runs in a fresh
-process after one untimed pass of every side, so the spread holds what differs between processes, as
-between two runs (--no-round-processes: every round in this process). Timing runs with glibc's
-malloc set as `esft train` sets it (esft.allocator; --default-allocator to skip), the memory
-probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
+printed with its spread (min–max), the load average and the host's steal (throughput_tools.load_average),
+and "noisy: rerun" instead of a ratio when a round strays beyond ±10% (no best-round figure: it cannot be
+reproduced). Each round runs in a fresh process after one untimed pass of every side, so the spread holds
+what differs between processes, as between two runs (--no-round-processes: every round in this process).
+Timing runs with glibc's malloc set as `esft train` sets it (esft.allocator; --default-allocator to skip), the
+memory probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
 batching (the engine kept the population hooks of the noise it was built with): figures of
 2026-11-23/24 in RESULTS.md are of that path.
 

@@ -214,9 +214,28 @@ def format_ratio(summary: dict, percent: bool = False) -> str:
     return f"{show(summary['median'])} ({spread})"
 
 
+def _steal_and_total_ticks() -> tuple[int, int] | None:
+    """All CPUs' steal and total time in clock ticks so far (/proc/stat's first line); None where there is none."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7], sum(fields)) if len(fields) == 8 else None  # user … softirq, steal (guest is in user)
+
+
+_TICKS_AT_IMPORT = _steal_and_total_ticks()  # the script's start: steal is reported since then
+
+
 def load_average() -> str:
-    """The 1/5/15-minute load averages, for every printed ratio (a busy machine explains a noisy one)."""
-    return "load average " + "/".join(f"{v:.2f}" for v in os.getloadavg())
+    """The 1/5/15-minute load averages, for every printed ratio (a busy machine explains a noisy one), and on
+    Linux the share of CPU time the VM's host gave to others (steal) since the script started: inside a VM the
+    load average cannot see the host's other tenants, whose work also slows this one's cache and memory."""
+    text = "load average " + "/".join(f"{v:.2f}" for v in os.getloadavg())
+    now = _steal_and_total_ticks()
+    if now is not None and _TICKS_AT_IMPORT is not None and now[1] > _TICKS_AT_IMPORT[1]:
+        steal = (now[0] - _TICKS_AT_IMPORT[0]) / (now[1] - _TICKS_AT_IMPORT[1])
+        text += f"; host steal {steal:.1%} of CPU time since the start"
+    return text
 
 
 def run_self(script: str, extra: list[str], env: dict | None = None) -> subprocess.CompletedProcess:

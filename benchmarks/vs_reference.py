@@ -23,7 +23,8 @@ glibc's malloc is set in every process as `esft train` sets it (esft.allocator; 
 Times are the measuring process's CPU seconds (with --threads 1 barely disturbed by other jobs) and
 wall seconds, medians over rounds; the ratio
 is reference / path (> 1: esft is faster), taken round by round, printed as the median with its spread
-(min–max) and the load average; a spread beyond ±10% prints "noisy: rerun" instead of a ratio.
+(min–max), the load average and the host's steal (CPU time the VM lost to other tenants); a spread beyond
+±10% prints "noisy: rerun" instead of a ratio.
 --neighbour runs another job beside it (a process copying 256 MiB arrays on the other core): it slows the
 paths unequally (on machine E the batched ones 8-14%, the reference at most 4%), so what else shares the
 host, unseen in a VM, moves the ratios (benchmarks/RESULTS.md, "Heap only, and what moves ...").

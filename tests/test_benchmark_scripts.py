@@ -50,6 +50,10 @@ def test_vs_reference_runs_each_round_in_a_fresh_warmed_up_process():
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| preset |"))
     assert re.search(r"\| (noisy: rerun \()?[\d.]+×.*2 rounds", row), row
     assert re.fullmatch(r"[\d,]+", row.split("|")[6].strip()), row  # page faults per iteration, from the rounds' JSON
+    # the load the ratio was measured under, with the host's share of the VM's CPU time (steal) over the run
+    steal = re.search(r"; load average [\d.]+/[\d.]+/[\d.]+; host steal ([\d.]+)% of CPU time since the start",
+                      proc.stdout)
+    assert steal and 0.0 <= float(steal.group(1)) <= 100.0, proc.stdout
 
 
 def test_vs_reference_stops_when_a_rounds_process_fails(tmp_path):
