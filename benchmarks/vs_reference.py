@@ -14,7 +14,9 @@ update) on a TransformersEngine, all with --mini-batch-size auto:
   preset      the demo preset (low-rank noise rank 1, population batching)
 Same model, prompts (Countdown, natural completion lengths: EOS ends them), population and token
 budget (max new tokens). Rounds alternate the paths, --repeats times each inside a round (a slow
-spell hits all alike); every measurement repeats the same work: the first iteration's seeds and prompt
+spell hits all alike), a round's figure their mean: on a shared VM one measurement moves ±10-15% at random,
+and with 3 repeats a third of the runs were refused as noisy (6 by default; --raw-json keeps every
+measurement); every measurement repeats the same work: the first iteration's seeds and prompt
 batch, each path's weights reset to the starting ones after it (untimed), so rounds differ only by the
 machine's noise. Each round runs in a fresh process after one untimed iteration of every path: rounds
 inside one process shared its heap and page placement, so their spread missed what differs between two
@@ -37,6 +39,7 @@ host, unseen in a VM, moves the ratios (benchmarks/RESULTS.md, "Heap only, and w
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -144,8 +147,9 @@ class EsftPath:
 def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     """`rounds` rounds in this process: each path on its own copy of the model, --repeats alternating
     measurements per round of the same work (iteration 0's seeds and prompts, weights reset after each);
-    with `warm_up` one untimed iteration per path first. Returns (cpu, wall, page faults, mean reward, model
-    description); the first three per path and round, a round's figure the mean of its repeats."""
+    with `warm_up` one untimed iteration per path first. Returns {"cpu", "wall", "faults": per path and round, a
+    round's figure the mean of its repeats; "each": per path and round, every measurement's CPU seconds in order;
+    "tokens": each path's mean reward; "model": the model's description}."""
     import resource
 
     import numpy as np
@@ -164,6 +168,7 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     cpu: dict[str, list[float]] = {name: [] for name in paths}
     wall: dict[str, list[float]] = {name: [] for name in paths}
     faults: dict[str, list[float]] = {name: [] for name in paths}  # minor page faults: fresh memory touched
+    each: dict[str, list[list[float]]] = {name: [] for name in paths}  # every measurement, for --raw-json
     tokens: dict[str, float] = {}
     seeds = strategy.ask(strategy.ESState(0, 0), args.population)  # the same work every round
     batch = prompt_batch(task.train_dataset, 0, size, 0)
@@ -183,6 +188,7 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
             cpu[name].append(0.0)
             wall[name].append(0.0)
             faults[name].append(0.0)
+            each[name].append([])
         for _ in range(args.repeats):  # alternating inside the round too; a round's figure is their mean
             for name in paths:
                 started_faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -190,12 +196,13 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
                 rewards = run(name)
                 if args.device.startswith("cuda"):
                     torch.cuda.synchronize()
-                cpu[name][-1] += (time.process_time() - started_cpu) / args.repeats
+                each[name][-1].append(time.process_time() - started_cpu)
+                cpu[name][-1] += each[name][-1][-1] / args.repeats
                 wall[name][-1] += (time.perf_counter() - started_wall) / args.repeats
                 faults[name][-1] += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - started_faults) / args.repeats
                 runners[name].reset()  # untimed: the next measurement starts from the same weights
                 tokens[name] = float(np.mean(rewards))
-    return cpu, wall, faults, tokens, described
+    return {"cpu": cpu, "wall": wall, "faults": faults, "each": each, "tokens": tokens, "model": described}
 
 
 def _mini_batch(value: str):
@@ -210,8 +217,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--sigma", type=float, default=1e-3)
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds; ratios are medians over them")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="measurements of each path per round, alternating; a round's figure is their mean")
+    parser.add_argument("--repeats", type=int, default=6,
+                        help="measurements of each path per round, alternating; a round's figure is their mean (one "
+                             "measurement moves ±10-15%% at random on a shared VM: with 3, a third of the runs "
+                             "were refused as noisy)")
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default malloc thresholds (noisier: see esft.allocator)")
     parser.add_argument("--threads", type=int, default=1)
@@ -227,10 +236,12 @@ def main() -> None:
                         help="run a process copying 256 MiB arrays over and over beside the measurement (memory "
                              "bandwidth and the shared cache taken, as by another job on the machine), to see how "
                              "the ratios depend on what shares the host")
+    parser.add_argument("--raw-json", default=None,
+                        help="also write every measurement (CPU seconds per path, round and repeat, in order) and the "
+                             "tables' figures to this JSON file, to pool runs or study the noise")
     parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
 
-    import json
     import os
 
     import torch
@@ -242,9 +253,8 @@ def main() -> None:
     task = make_countdown_task(seed=0, difficulty="easy")
     paths = args.paths.split(",")
     if args.one_round_json:  # a per-round process: one warmed-up round, its figures to the parent as JSON
-        cpu, wall, faults, tokens, described = measure_rounds(args, task, paths, int(args.prompts), 1, warm_up=True)
-        Path(args.one_round_json).write_text(json.dumps({"cpu": cpu, "wall": wall, "faults": faults, "tokens": tokens,
-                                                         "model": described, "pid": os.getpid()}))
+        figures = measure_rounds(args, task, paths, int(args.prompts), 1, warm_up=True)
+        Path(args.one_round_json).write_text(json.dumps({**figures, "pid": os.getpid()}))
         return
 
     neighbour = subprocess.Popen([sys.executable, "-c", NEIGHBOUR]) if args.neighbour else None
@@ -264,35 +274,45 @@ def _measure_and_print(args, task, paths: list[str], allocator: str) -> None:
           f"{args.max_tokens} new tokens, {args.threads} thread(s), {args.rounds} rounds of {args.repeats} alternating "
           f"repeats{' (each round a fresh process, warmed up)' if args.round_processes else ''}, natural completion "
           f"lengths; {allocator}; {cpu_description()}{'; a neighbour copying 256 MiB arrays' if args.neighbour else ''}")
+    raw = {"command": [Path(sys.executable).name, *sys.argv], "host": cpu_description(), "sizes": {}}
     for size in (int(s) for s in args.prompts.split(",")):
         if args.round_processes:  # each round in its own process, so the spread includes what differs between runs
-            cpu, wall, faults = ({name: [] for name in paths} for _ in range(3))
-            tokens, described = {}, ""
+            figures = {key: {name: [] for name in paths} for key in ("cpu", "wall", "faults", "each")}
             for round_ in range(args.rounds):
                 one = round_in_fresh_process(__file__, round_, ["--prompts", str(size)])
-                for name in paths:
-                    cpu[name] += one["cpu"][name]
-                    wall[name] += one["wall"][name]
-                    faults[name] += one["faults"][name]
-                tokens, described = one["tokens"], one["model"]
+                for key in ("cpu", "wall", "faults", "each"):
+                    for name in paths:
+                        figures[key][name] += one[key][name]
+                figures["tokens"], figures["model"] = one["tokens"], one["model"]
                 print(f"  {size} prompts: round {round_ + 1}/{args.rounds} (process {one['pid']}): " + ", ".join(
                     f"{name} {one['cpu'][name][0]:.2f} s" for name in paths), file=sys.stderr, flush=True)
         else:
-            cpu, wall, faults, tokens, described = measure_rounds(args, task, paths, size, args.rounds, warm_up=False)
-        clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
-        print(f"\n## {size} prompts per iteration ({described}); {load_average()}")
-        which = "wall" if clock is wall else "CPU"
-        print(f"| path | CPU s/iteration (median, min–max) | wall s/iteration (median) | reference / path ({which}; "
-              f"median of the rounds' ratios, min–max) | mean reward | page faults per iteration (median) |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for name in paths:
-            c, w = statistics.median(cpu[name]), statistics.median(wall[name])
-            ratio = "—"
-            if "reference" in clock and name != "reference":  # each round's ratio, so a load spike hits both sides
-                ratio = format_ratio(ratio_summary([r / p for r, p in zip(clock["reference"], clock[name])]))
-            print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | {ratio} | {tokens[name]:.3f} | "
-                  f"{statistics.median(faults[name]):,.0f} |")
-        sys.stdout.flush()
+            figures = measure_rounds(args, task, paths, size, args.rounds, warm_up=False)
+        _print_table(args, size, paths, figures)
+        if args.raw_json:  # written after every size, whole (a half-written file is never left)
+            raw["sizes"][str(size)] = figures
+            partial = Path(args.raw_json).with_name(Path(args.raw_json).name + ".partial")
+            partial.write_text(json.dumps(raw, indent=1))
+            partial.replace(args.raw_json)
+
+
+def _print_table(args, size: int, paths: list[str], figures: dict) -> None:
+    """One prompt size's table: CPU and wall seconds per path, each path's ratio to the reference over rounds."""
+    cpu, wall, faults = figures["cpu"], figures["wall"], figures["faults"]
+    clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
+    print(f"\n## {size} prompts per iteration ({figures['model']}); {load_average()}")
+    which = "wall" if clock is wall else "CPU"
+    print(f"| path | CPU s/iteration (median, min–max) | wall s/iteration (median) | reference / path ({which}; "
+          f"median of the rounds' ratios, min–max) | mean reward | page faults per iteration (median) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in paths:
+        c, w = statistics.median(cpu[name]), statistics.median(wall[name])
+        ratio = "—"
+        if "reference" in clock and name != "reference":  # each round's ratio, so a load spike hits both sides
+            ratio = format_ratio(ratio_summary([r / p for r, p in zip(clock["reference"], clock[name])]))
+        print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | {ratio} | "
+              f"{figures['tokens'][name]:.3f} | {statistics.median(faults[name]):,.0f} |")
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
