@@ -55,6 +55,7 @@ from throughput_tools import (build_model, cpu_description, format_ratio, load_a
                               round_in_fresh_process)
 
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
+from esft.files import write_text_atomic  # noqa: E402
 
 
 # --neighbour: another job streaming through memory on the other core, until killed
@@ -241,6 +242,8 @@ def main() -> None:
                              "tables' figures to this JSON file, to pool runs or study the noise")
     parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
+    if args.raw_json and not Path(args.raw_json).resolve().parent.is_dir():  # before any measuring, not after
+        parser.error(f"--raw-json {args.raw_json}: its folder does not exist; create it or name a file in an existing one")
 
     import os
 
@@ -291,9 +294,7 @@ def _measure_and_print(args, task, paths: list[str], allocator: str) -> None:
         _print_table(args, size, paths, figures)
         if args.raw_json:  # written after every size, whole (a half-written file is never left)
             raw["sizes"][str(size)] = figures
-            partial = Path(args.raw_json).with_name(Path(args.raw_json).name + ".partial")
-            partial.write_text(json.dumps(raw, indent=1))
-            partial.replace(args.raw_json)
+            write_text_atomic(Path(args.raw_json), json.dumps(raw, indent=1))
 
 
 def _print_table(args, size: int, paths: list[str], figures: dict) -> None:

@@ -132,3 +132,11 @@ def test_throughput_measures_memory_of_each_side_in_its_own_process():
                   "--rounds", "0", "--memory", "no-such-path", "--paths", "batched-lowrank")
     assert failed.returncode == 1 and "memory probe no-such-path failed" in failed.stderr
     assert "rows/call: peak" not in failed.stdout
+
+
+def test_vs_reference_refuses_a_raw_json_path_it_could_not_write_before_measuring(tmp_path):
+    """Exit 2 with the option and the fix named, before any model is built (not after 20 minutes of rounds)."""
+    proc = _run("vs_reference.py", "--raw-json", str(tmp_path / "missing" / "raw.json"))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--raw-json" in proc.stderr and "its folder does not exist" in proc.stderr
+    assert "round 1/" not in proc.stderr and not (tmp_path / "missing").exists()
