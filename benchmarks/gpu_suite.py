@@ -45,23 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model, format_ratio, load_average, ratio_summary  # noqa: E402
-from vs_reference import EsftPath, ReferenceLoop  # noqa: E402
-
-PATHS = ("reference", "sequential", "default", "preset", "limit")
-
-
-class LimitPath:
-    """Plain batched generation of all N × prompts rows (no noise), rows per call from --mini-batch-size auto."""
-
-    def __init__(self, model, tokenizer, args):
-        from esft.engines.transformers_engine import TransformersEngine
-
-        self.engine = TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens, mini_batch_size="auto")
-
-    def iteration(self, seeds, batch) -> list[float]:
-        generation = self.engine.generate(list(batch.prompts) * len(seeds))
-        return [float(sum(generation.num_tokens))]
+from throughput_tools import format_ratio, load_average, ratio_summary  # noqa: E402
+from vs_reference import PATHS, build_runners  # noqa: E402
 
 
 def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str:
@@ -87,16 +72,7 @@ def measure(args, size: int, task) -> dict:
     from esft.es import strategy
     from esft.es.batches import prompt_batch
 
-    runners = {}
-    for name in args.paths:
-        model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-gpu-")))
-        model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
-        if name == "reference":
-            runners[name] = ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
-        elif name == "limit":
-            runners[name] = LimitPath(model, tokenizer, args)
-        else:
-            runners[name] = EsftPath(name, model, tokenizer, args)
+    runners, described = build_runners(args, args.paths)
     cuda = args.device.startswith("cuda")
     seconds: dict[str, list[float]] = {name: [] for name in args.paths}
     peak: dict[str, int] = {name: 0 for name in args.paths}

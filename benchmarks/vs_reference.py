@@ -12,6 +12,11 @@ update) on a TransformersEngine, all with --mini-batch-size auto:
   default     ESConfig's defaults: i.i.d. full-rank noise, population batching auto (on for this
               model: each member's own weights, esft.engines.fullrank_population)
   preset      the demo preset (low-rank noise rank 1, population batching)
+  limit       plain batched greedy generation of the same N × prompts rows by esft's decoder, no
+              perturbation, no update: no exact ES path can beat it. Its column, limit / path, is each
+              path's fraction of it, taken round by round like the ratio: the figure that carries from one
+              host to another, where reference / path moves with the host's speed for one-member calls
+              (benchmarks/RESULTS.md, "A fresh VM, F")
 Same model, prompts (Countdown, natural completion lengths: EOS ends them), population and token
 budget (max new tokens). Rounds alternate the paths, --repeats times each inside a round (a slow
 spell hits all alike), a round's figure their mean: on a shared VM one measurement moves ±10-15% at random,
@@ -57,6 +62,8 @@ from throughput_tools import (build_model, cpu_description, format_ratio, load_a
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 from esft.files import write_text_atomic  # noqa: E402
 
+
+PATHS = ("reference", "sequential", "default", "preset", "limit")
 
 # --neighbour: another job streaming through memory on the other core, until killed
 NEIGHBOUR = "import numpy as n\na = n.ones(1 << 25); b = n.empty_like(a)\nwhile True: n.copyto(b, a)"
@@ -112,6 +119,23 @@ class ReferenceLoop:
         self.model.load_state_dict(self.initial)
 
 
+class LimitPath:
+    """Plain batched generation of all N × prompts rows (no noise, no update), rows per call from --mini-batch."""
+
+    def __init__(self, model, tokenizer, args):
+        from esft.engines.transformers_engine import TransformersEngine
+
+        self.engine = TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens,
+                                         mini_batch_size=_mini_batch(args.mini_batch))
+
+    def iteration(self, seeds, batch) -> list[float]:
+        self.engine.generate(list(batch.prompts) * len(seeds))
+        return []  # no rewards: the table prints "—" for its mean reward
+
+    def reset(self) -> None:  # nothing changes its weights
+        pass
+
+
 class EsftPath:
     """One of esft's paths: an engine, an executor, the strategy and the update, as the trainer runs them."""
 
@@ -145,6 +169,24 @@ class EsftPath:
         self.engine.load_master_state(self.initial)
 
 
+def build_runners(args, paths) -> tuple[dict, str]:
+    """Each path on its own copy of the same model (--model, on --device in --dtype); returns them by name and
+    the model's description."""
+    import torch
+
+    runners = {}
+    for name in paths:
+        model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-bench-")))
+        model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
+        if name == "reference":
+            runners[name] = ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
+        elif name == "limit":
+            runners[name] = LimitPath(model, tokenizer, args)
+        else:
+            runners[name] = EsftPath(name, model, tokenizer, args)
+    return runners, described
+
+
 def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     """`rounds` rounds in this process: each path on its own copy of the model, --repeats alternating
     measurements per round of the same work (iteration 0's seeds and prompts, weights reset after each);
@@ -160,12 +202,7 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     from esft.es.batches import prompt_batch
     from esft.tasks.countdown import countdown_reward
 
-    runners = {}
-    for name in paths:  # each path on its own copy of the same model
-        model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-vsref-")))
-        model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
-        runners[name] = (ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
-                         if name == "reference" else EsftPath(name, model, tokenizer, args))
+    runners, described = build_runners(args, paths)
     cpu: dict[str, list[float]] = {name: [] for name in paths}
     wall: dict[str, list[float]] = {name: [] for name in paths}
     faults: dict[str, list[float]] = {name: [] for name in paths}  # minor page faults: fresh memory touched
@@ -202,7 +239,7 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
                 wall[name][-1] += (time.perf_counter() - started_wall) / args.repeats
                 faults[name][-1] += (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - started_faults) / args.repeats
                 runners[name].reset()  # untimed: the next measurement starts from the same weights
-                tokens[name] = float(np.mean(rewards))
+                tokens[name] = float(np.mean(rewards)) if rewards else None
     return {"cpu": cpu, "wall": wall, "faults": faults, "each": each, "tokens": tokens, "model": described}
 
 
@@ -225,7 +262,9 @@ def main() -> None:
     parser.add_argument("--default-allocator", action="store_true",
                         help="time with glibc's default malloc thresholds (noisier: see esft.allocator)")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--paths", default="reference,sequential,default,preset")
+    parser.add_argument("--paths", default=",".join(PATHS),
+                        help="comma-separated, from " + ",".join(PATHS) + " (limit: plain batched generation of the "
+                             "same rows; with it the table gives each path's fraction of it)")
     parser.add_argument("--mini-batch", default="auto", help="prompts per generate call of esft's paths (auto or a number)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (then the ratio is of wall seconds, synchronised)")
     parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (the model's weights)")
@@ -242,6 +281,9 @@ def main() -> None:
                              "tables' figures to this JSON file, to pool runs or study the noise")
     parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
+    unknown = sorted(set(args.paths.split(",")) - set(PATHS))
+    if unknown:
+        parser.error(f"--paths: unknown path(s) {', '.join(unknown)}; choose from {','.join(PATHS)}")
     if args.raw_json and not Path(args.raw_json).resolve().parent.is_dir():  # before any measuring, not after
         parser.error(f"--raw-json {args.raw_json}: its folder does not exist; create it or name a file in an existing one")
 
@@ -298,21 +340,30 @@ def _measure_and_print(args, task, paths: list[str], allocator: str) -> None:
 
 
 def _print_table(args, size: int, paths: list[str], figures: dict) -> None:
-    """One prompt size's table: CPU and wall seconds per path, each path's ratio to the reference over rounds."""
+    """One prompt size's table: CPU and wall seconds per path, each path's ratio to the reference and (with the
+    limit among the paths) its fraction of the limit, both taken round by round and summarised over rounds."""
     cpu, wall, faults = figures["cpu"], figures["wall"], figures["faults"]
     clock = wall if args.device.startswith("cuda") else cpu  # on a GPU the CPU clock says little
     print(f"\n## {size} prompts per iteration ({figures['model']}); {load_average()}")
     which = "wall" if clock is wall else "CPU"
+    limit = "limit" in clock
     print(f"| path | CPU s/iteration (median, min–max) | wall s/iteration (median) | reference / path ({which}; "
-          f"median of the rounds' ratios, min–max) | mean reward | page faults per iteration (median) |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          f"median of the rounds' ratios, min–max) |" + (" limit / path (fraction of the limit) |" if limit else "")
+          + " mean reward | page faults per iteration (median) |")
+    print("| --- " * (6 + limit) + "|")
+
+    def per_round(top: str, name: str, percent: bool = False) -> str:  # each round's ratio: a load spike hits both
+        if top not in clock or name == top:
+            return "—"
+        return format_ratio(ratio_summary([t / p for t, p in zip(clock[top], clock[name])]), percent=percent)
+
     for name in paths:
         c, w = statistics.median(cpu[name]), statistics.median(wall[name])
-        ratio = "—"
-        if "reference" in clock and name != "reference":  # each round's ratio, so a load spike hits both sides
-            ratio = format_ratio(ratio_summary([r / p for r, p in zip(clock["reference"], clock[name])]))
-        print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | {ratio} | "
-              f"{figures['tokens'][name]:.3f} | {statistics.median(faults[name]):,.0f} |")
+        reward = figures["tokens"][name]
+        print(f"| {name} | {c:.2f} ({min(cpu[name]):.2f}–{max(cpu[name]):.2f}) | {w:.2f} | "
+              f"{per_round('reference', name)} |"
+              + (f" {per_round('limit', name, percent=True)} |" if limit else "")
+              + f" {'—' if reward is None else f'{reward:.3f}'} | {statistics.median(faults[name]):,.0f} |")
     sys.stdout.flush()
 
 

@@ -40,25 +40,33 @@ def test_population_gap_benchmark_replays_the_populations_lengths(tmp_path):
 
 def test_vs_reference_runs_each_round_in_a_fresh_warmed_up_process(tmp_path):
     """Each round is its own process (so the printed spread covers what differs between two runs of the
-    script), the parent reports every path's ratio over those rounds, and --raw-json keeps every measurement."""
+    script), the parent reports every path's ratio over those rounds and its fraction of the limit (plain
+    batched generation, timed in the same alternation), and --raw-json keeps every measurement."""
     raw_file = tmp_path / "raw.json"
     proc = _run("vs_reference.py", "--model", "embedded", "--prompts", "4", "--population", "3", "--max-tokens", "4",
-                "--rounds", "2", "--repeats", "2", "--paths", "reference,preset", "--raw-json", str(raw_file))
+                "--rounds", "2", "--repeats", "2", "--paths", "reference,preset,limit", "--raw-json", str(raw_file))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "2 rounds of 2 alternating repeats (each round a fresh process, warmed up)" in proc.stdout
     raw = json.loads(raw_file.read_text())
     assert raw["command"][-2:] == ["--raw-json", str(raw_file)] and list(raw["sizes"]) == ["4"]
     figures = raw["sizes"]["4"]
-    for name in ("reference", "preset"):  # 2 rounds of 2 measurements; a round's figure is their mean
+    for name in ("reference", "preset", "limit"):  # 2 rounds of 2 measurements; a round's figure is their mean
         assert [len(r) for r in figures["each"][name]] == [2, 2] and min(map(min, figures["each"][name])) > 0
         assert figures["cpu"][name] == pytest.approx([sum(r) / 2 for r in figures["each"][name]])
     ratios = sorted(r / p for r, p in zip(figures["cpu"]["reference"], figures["cpu"]["preset"]))
-    pids = [int(p) for p in re.findall(r"round \d/2 \(process (\d+)\): reference [\d.]+ s, preset [\d.]+ s", proc.stderr)]
+    each_round = r"round \d/2 \(process (\d+)\): reference [\d.]+ s, preset [\d.]+ s, limit [\d.]+ s"
+    pids = [int(p) for p in re.findall(each_round, proc.stderr)]
     assert len(pids) == 2 and len(set(pids)) == 2, proc.stderr[-2000:]
     row = next(line for line in proc.stdout.splitlines() if line.startswith("| preset |"))
     assert re.search(r"\| (noisy: rerun \()?[\d.]+×.*2 rounds", row), row
     assert f"{ratios[0]:.2f}×–{ratios[1]:.2f}×, 2 rounds" in row, (row, ratios)  # the table's spread is the file's
-    assert re.fullmatch(r"[\d,]+", row.split("|")[6].strip()), row  # page faults per iteration, from the rounds' JSON
+    fractions = sorted(lim / p for lim, p in zip(figures["cpu"]["limit"], figures["cpu"]["preset"]))
+    assert f"{fractions[0]:.1%}–{fractions[1]:.1%}, 2 rounds" in row.split("|")[5], (row, fractions)
+    assert re.fullmatch(r"-?[\d.]+", row.split("|")[6].strip()), row  # the preset's mean reward
+    assert re.fullmatch(r"[\d,]+", row.split("|")[7].strip()), row  # page faults per iteration, from the rounds' JSON
+    limit_row = next(line for line in proc.stdout.splitlines() if line.startswith("| limit |")).split("|")
+    assert "2 rounds" in limit_row[4] and limit_row[5].strip() == "—" == limit_row[6].strip(), limit_row
+    assert figures["tokens"]["limit"] is None  # plain generation has no reward, and says so rather than 0
     # the load the ratio was measured under, with the host's share of the VM's CPU time (steal) over the run
     steal = re.search(r"; load average [\d.]+/[\d.]+/[\d.]+; host steal ([\d.]+)% of CPU time since the start",
                       proc.stdout)
@@ -132,6 +140,13 @@ def test_throughput_measures_memory_of_each_side_in_its_own_process():
                   "--rounds", "0", "--memory", "no-such-path", "--paths", "batched-lowrank")
     assert failed.returncode == 1 and "memory probe no-such-path failed" in failed.stderr
     assert "rows/call: peak" not in failed.stdout
+
+
+def test_vs_reference_refuses_an_unknown_path_before_measuring():
+    proc = _run("vs_reference.py", "--paths", "reference,limits")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown path(s) limits; choose from reference,sequential,default,preset,limit" in proc.stderr
+    assert "round 1/" not in proc.stderr
 
 
 def test_vs_reference_refuses_a_raw_json_path_it_could_not_write_before_measuring(tmp_path):
