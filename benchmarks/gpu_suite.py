@@ -22,9 +22,15 @@ of the model stay resident, so it includes the other paths' weights: read the di
 Then `esft train --dtype bfloat16 --device cuda` (the demo: embedded model, its preset) runs as a
 subprocess and its wall time and accuracies are recorded.
 
-Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for benchmarks/RESULTS.md).
+Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for benchmarks/RESULTS.md) after every timed round,
+so a run cut short (a device lease ending, a time limit) keeps the rounds it finished and its table says so.
 
-    python benchmarks/gpu_suite.py --out /tmp/gpu                  # on one H100: about 10 minutes
+    python benchmarks/gpu_suite.py --out /tmp/gpu                  # on one H100: 20 minutes or more (see below)
+    python benchmarks/gpu_suite.py --prompts 32 --paths reference,default,preset,limit --no-demo --out /tmp/gpu
+
+The one-member-at-a-time paths take most of it: the paper's loop ran 41-48 s per iteration on one H100 and 67-69 s
+on another (launch-bound: it follows the host's CPU), the batched paths 3-9 s. The second command took 198 s on
+the first of those machines and did not finish its 3 rounds in 290 s on the second (benchmarks/RESULTS.md).
     python benchmarks/gpu_suite.py --device cpu --model embedded --prompts 4 --population 4 --max-tokens 8 \\
         --rounds 2 --no-demo --out /tmp/gpu-smoke                   # the same code on a CPU, in seconds
 """
@@ -48,6 +54,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput_tools import format_ratio, load_average, ratio_summary  # noqa: E402
 from vs_reference import PATHS, build_runners  # noqa: E402
 
+from esft.files import write_text_atomic  # noqa: E402
+
 
 def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str:
     """What --mini-batch-size auto chose for this path, said as rows (and members) per generate call."""
@@ -66,7 +74,9 @@ def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str
     return f"{members * per_call} ({members} members × {per_call} prompts)"
 
 
-def measure(args, size: int, task) -> dict:
+def measure(args, size: int, task, after_round=None) -> dict:
+    """Every path's rounds at `size` prompts; `after_round` gets the result so far after each timed round (so a
+    run cut short, by a device lease say, keeps the rounds it finished)."""
     import torch
 
     from esft.es import strategy
@@ -106,12 +116,21 @@ def measure(args, size: int, task) -> dict:
             print(f"  {size} prompts, round {round_}: {name} {elapsed:.2f} s", file=sys.stderr, flush=True)
         print(f"  {size} prompts: round {round_}/{args.rounds} "
               f"{'(warm-up) ' if not round_ else ''}done, {load_average()}", file=sys.stderr, flush=True)
-    batched = {name: getattr(getattr(runners[name], "executor", None), "population_batching", None) for name in args.paths}
+        if round_ and after_round is not None:
+            after_round(summarise(args, size, described, seconds, peak, rows, runners))
+    result = summarise(args, size, described, seconds, peak, rows, runners)
     del runners
     if cuda:
         torch.cuda.empty_cache()
-    result = {"prompts": size, "model": described, "seconds": seconds, "peak_bytes": peak, "rows_per_call": rows,
-              "population_batching": batched, "vs_reference": {}, "of_limit": {}}
+    return result
+
+
+def summarise(args, size: int, described: str, seconds: dict, peak: dict, rows: dict, runners: dict) -> dict:
+    """The result of the timed rounds so far: seconds, ratios round by round, rows per call, peak memory."""
+    batched = {name: getattr(getattr(runners[name], "executor", None), "population_batching", None) for name in args.paths}
+    result = {"prompts": size, "model": described, "rounds_timed": len(seconds[args.paths[0]]),
+              "seconds": {name: list(times) for name, times in seconds.items()}, "peak_bytes": dict(peak),
+              "rows_per_call": dict(rows), "population_batching": batched, "vs_reference": {}, "of_limit": {}}
     for name in args.paths:
         if "reference" in seconds and name != "reference":
             result["vs_reference"][name] = ratio_summary([r / p for r, p in zip(seconds["reference"], seconds[name])])
@@ -141,8 +160,10 @@ def markdown(report: dict) -> str:
     lines = [f"GPU table, {machine['date']}, commit {machine['commit']}, {machine['gpu']}, torch {machine['torch']}, "
              f"{report['args']['dtype']}; `{report['command']}`", ""]
     for result in report["results"]:
+        cut = (f" **only {result['rounds_timed']} of {report['args']['rounds']} timed rounds: the run stopped before "
+               f"the others**" if result["rounds_timed"] < report["args"]["rounds"] else "")
         lines += [f"**{result['prompts']} prompts per iteration**, N = {report['args']['population']}, up to "
-                  f"{report['args']['max_tokens']} new tokens; {result['model']}", "",
+                  f"{report['args']['max_tokens']} new tokens; {result['model']}{cut}", "",
                   "| path | s / iteration (median, min–max) | reference / path | limit / path (fraction of the limit) "
                   "| rows per call | peak GPU memory |", "| --- | --- | --- | --- | --- | --- |"]
         for name, values in result["seconds"].items():
@@ -201,15 +222,19 @@ def main() -> None:
                           "torch": torch.__version__}}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for size in (int(s) for s in args.prompts.split(",")):
-        report["results"].append(measure(args, size, task))
+
+    def write(results: list[dict]) -> None:  # after every timed round and step: a run cut short keeps its rounds
         report["machine"]["load"] = load_average()
-        (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=float))  # kept if a later step dies
+        write_text_atomic(out / "gpu_suite.json", json.dumps({**report, "results": results}, indent=1, default=float))
+        write_text_atomic(out / "gpu_suite.md", markdown({**report, "results": results}))
+
+    for size in (int(s) for s in args.prompts.split(",")):
+        report["results"].append(measure(args, size, task, lambda partial: write([*report["results"], partial])))
+        write(report["results"])
     if args.demo:
         report["demo"] = run_demo(args)
     report["total_seconds"] = time.perf_counter() - started
-    (out / "gpu_suite.json").write_text(json.dumps(report, indent=1, default=float))
-    (out / "gpu_suite.md").write_text(markdown(report))
+    write(report["results"])
     print("\n" + markdown(report))
     print(f"total {report['total_seconds']:.0f} s; wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}")
 

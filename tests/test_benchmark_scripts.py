@@ -100,7 +100,33 @@ def test_gpu_suite_on_a_cpu_times_every_path_and_writes_its_table(tmp_path):
         ratios = [r / p for r, p in zip(result["seconds"]["reference"], result["seconds"][name])]
         assert result["vs_reference"][name]["min"] == pytest.approx(min(ratios))
     assert result["rows_per_call"]["preset"] == "12 (3 members × 4 prompts)"
-    assert "| limit |" in (tmp_path / "gpu_suite.md").read_text()
+    assert result["rounds_timed"] == 2
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert "| limit |" in table and "timed rounds: the run stopped" not in table
+
+
+def test_gpu_suite_cut_short_keeps_the_rounds_it_finished(tmp_path):
+    """A device lease can end mid-run: killed in its second timed round, the script has already written the first
+    round's figures (JSON and table), and the table says the run stopped before the others."""
+    command = [sys.executable, str(BENCHMARKS / "gpu_suite.py"), "--device", "cpu", "--dtype", "float32", "--model",
+               "embedded", "--prompts", "4", "--population", "3", "--max-tokens", "4", "--rounds", "3",
+               "--paths", "reference,preset,limit", "--no-demo", "--out", str(tmp_path)]
+    proc = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=ONE_THREAD)
+    seen = []
+    try:
+        for line in proc.stderr:  # round 2's first path ends after round 1's files were written
+            seen.append(line)
+            if "4 prompts, round 2: reference" in line:
+                break
+    finally:
+        proc.kill()
+        proc.wait()
+    assert any("4 prompts, round 2: reference" in line for line in seen), "".join(seen)[-2000:]
+    (result,) = json.loads((tmp_path / "gpu_suite.json").read_text())["results"]
+    assert result["rounds_timed"] == 1 and all(len(times) == 1 for times in result["seconds"].values())
+    assert result["of_limit"]["preset"]["rounds"] == 1
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert "only 1 of 3 timed rounds: the run stopped before the others" in table and "| preset |" in table
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
