@@ -25,14 +25,14 @@ subprocess and its wall time and accuracies are recorded.
 Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for benchmarks/RESULTS.md) after every timed round,
 so a run cut short (a device lease ending, a time limit) keeps the rounds it finished and its table says so.
 
-    python benchmarks/gpu_suite.py --out /tmp/gpu                  # on one H100: 20 minutes or more (see below)
+    python benchmarks/gpu_suite.py --out /tmp/gpu                  # one H100: over 15 minutes (estimated below; not run whole)
     python benchmarks/gpu_suite.py --prompts 32 --paths reference,default,preset,limit --no-demo --out /tmp/gpu
-
-The one-member-at-a-time paths take most of it: the paper's loop ran 41-48 s per iteration on one H100 and 67-69 s
-on another (launch-bound: it follows the host's CPU), the batched paths 3-9 s. The second command took 198 s on
-the first of those machines and did not finish its 3 rounds in 290 s on the second (benchmarks/RESULTS.md).
     python benchmarks/gpu_suite.py --device cpu --model embedded --prompts 4 --population 4 --max-tokens 8 \\
         --rounds 2 --no-demo --out /tmp/gpu-smoke                   # the same code on a CPU, in seconds
+
+The one-member-at-a-time paths take most of the time: the paper's loop ran 41-48 s per iteration on one H100 and
+67-69 s on another (launch-bound: it follows the host's CPU), the batched paths 3-9 s. The second command took
+198 s on the first of those machines and did not finish its 3 rounds in 290 s on the second (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
