@@ -163,15 +163,21 @@ def test_resuming_an_sgd_checkpoint_with_adam_is_one_clear_error(tmp_path):
 
 
 # ------------------------------------------------------------------ TRL's names, --algorithm grpo
-def test_trl_adam_names_point_to_the_esft_flags_and_grpo_gets_them():
+def test_trl_adam_names_point_to_the_esft_flags():
     from esft.config import ConfigError, ESConfig, UnknownSetting
-    from esft.grpo.trl_trainer import grpo_config
 
     for name, flag in (("adam_beta1", "--adam-betas"), ("adam_beta2", "--adam-betas"), ("adam_epsilon", "--adam-eps")):
         with pytest.raises(UnknownSetting, match=f"TRL's name; did you mean {flag}"):
             ESConfig(**{name: 0.9})
     with pytest.raises(ConfigError, match="--optimizer: is an ES setting.*TRL's AdamW"):
         ESConfig(algorithm="grpo", optimizer="adam")
+
+
+def test_grpo_gets_the_adam_flags_as_trls_names():
+    pytest.importorskip("trl")  # the grpo extra; the README's test command installs it
+    from esft.config import ESConfig
+    from esft.grpo.trl_trainer import grpo_config
+
     config = grpo_config(ESConfig(algorithm="grpo", weight_decay=0.1, adam_betas="0.8,0.95", adam_eps=1e-6, device="cpu"),
                          Path("unused"))
     assert (config.adam_beta1, config.adam_beta2, config.adam_epsilon, config.weight_decay) == (0.8, 0.95, 1e-6, 0.1)
