@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import format_ratio, load_average, ratio_summary  # noqa: E402
-from vs_reference import PATHS, build_runners  # noqa: E402
+from vs_reference import PATHS, build_runners, refuse_unknown_paths  # noqa: E402
 
 from esft.files import write_text_atomic  # noqa: E402
 
@@ -202,9 +202,7 @@ def main() -> None:
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse, where .git is)")
     args = parser.parse_args()
     args.paths = [p for p in args.paths.split(",") if p]
-    unknown = sorted(set(args.paths) - set(PATHS))
-    if unknown:
-        parser.exit(2, f"gpu_suite: unknown path(s) {unknown}; choose from {','.join(PATHS)}\n")
+    refuse_unknown_paths(parser, args.paths)
 
     import torch
 

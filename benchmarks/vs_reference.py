@@ -169,6 +169,13 @@ class EsftPath:
         self.engine.load_master_state(self.initial)
 
 
+def refuse_unknown_paths(parser, names: list[str]) -> None:
+    """Exit 2 (argparse's error) naming every path not in PATHS, before any model is built."""
+    unknown = sorted(set(names) - set(PATHS))
+    if unknown:
+        parser.error(f"--paths: unknown path(s) {', '.join(unknown)}; choose from {','.join(PATHS)}")
+
+
 def build_runners(args, paths) -> tuple[dict, str]:
     """Each path on its own copy of the same model (--model, on --device in --dtype); returns them by name and
     the model's description."""
@@ -281,9 +288,7 @@ def main() -> None:
                              "tables' figures to this JSON file, to pool runs or study the noise")
     parser.add_argument("--one-round-json", default=None, help=argparse.SUPPRESS)  # set for the per-round processes
     args = parser.parse_args()
-    unknown = sorted(set(args.paths.split(",")) - set(PATHS))
-    if unknown:
-        parser.error(f"--paths: unknown path(s) {', '.join(unknown)}; choose from {','.join(PATHS)}")
+    refuse_unknown_paths(parser, args.paths.split(","))
     if args.raw_json and not Path(args.raw_json).resolve().parent.is_dir():  # before any measuring, not after
         parser.error(f"--raw-json {args.raw_json}: its folder does not exist; create it or name a file in an existing one")
 

@@ -168,8 +168,9 @@ def test_throughput_measures_memory_of_each_side_in_its_own_process():
     assert "rows/call: peak" not in failed.stdout
 
 
-def test_vs_reference_refuses_an_unknown_path_before_measuring():
-    proc = _run("vs_reference.py", "--paths", "reference,limits")
+@pytest.mark.parametrize("script", ["vs_reference.py", "gpu_suite.py"])
+def test_an_unknown_path_is_refused_before_measuring(script):
+    proc = _run(script, "--paths", "reference,limits")
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unknown path(s) limits; choose from reference,sequential,default,preset,limit" in proc.stderr
     assert "round 1/" not in proc.stderr
