@@ -140,9 +140,14 @@ CONTRACT = [name for name, member in vars(Engine).items() if callable(member) an
 def engine_classes():
     from esft.engines.trained_model import TrainedModelEngine
     from esft.engines.transformers_engine import TransformersEngine
-    from esft.executors.ray_executor import RayEngine
 
-    classes = [TransformersEngine, RayEngine, TrainedModelEngine]
+    classes = [TransformersEngine, TrainedModelEngine]
+    try:
+        from esft.executors.ray_executor import RayEngine
+
+        classes.append(RayEngine)
+    except ImportError:  # the ray extra not installed (a GPU image, say): its engine is checked where it is
+        pass
     try:
         from esft.engines.vllm_engine import VLLMEngine
 
