@@ -25,14 +25,18 @@ subprocess and its wall time and accuracies are recorded.
 Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for benchmarks/RESULTS.md) after every timed round,
 so a run cut short (a device lease ending, a time limit) keeps the rounds it finished and its table says so.
 
-    python benchmarks/gpu_suite.py --out /tmp/gpu                  # one H100: over 15 minutes (estimated below; not run whole)
+    python benchmarks/gpu_suite.py --out /tmp/gpu                  # one H100: about 14 minutes (--budget-minutes)
     python benchmarks/gpu_suite.py --prompts 32 --paths reference,default,preset,limit --no-demo --out /tmp/gpu
     python benchmarks/gpu_suite.py --device cpu --model embedded --prompts 4 --population 4 --max-tokens 8 \\
         --rounds 2 --no-demo --out /tmp/gpu-smoke                   # the same code on a CPU, in seconds
 
 The one-member-at-a-time paths take most of the time: the paper's loop ran 41-48 s per iteration on one H100 and
-67-69 s on another (launch-bound: it follows the host's CPU), the batched paths 3-9 s. The second command took
-198 s on the first of those machines and did not finish its 3 rounds in 290 s on the second (benchmarks/RESULTS.md).
+67-75 s on two others (launch-bound: it follows the host's CPU), esft's sequential path 59-61 s on the last, the
+batched paths 2-9 s (benchmarks/RESULTS.md). So the whole default run would take well over 15 minutes; instead it
+keeps to --budget-minutes (default 14): each prompt size gets an equal share of the time left, and a timed round
+that would end after its share is not started, which the table says ("only k of 3 timed rounds: the next would have
+ended after ..."). On the H100s seen so far that leaves about 2 timed rounds per size with all five paths; leave out
+reference and sequential (--paths default,preset,limit) for more.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +60,8 @@ from throughput_tools import format_ratio, load_average, ratio_summary  # noqa: 
 from vs_reference import PATHS, build_runners, refuse_unknown_paths  # noqa: E402
 
 from esft.files import write_text_atomic  # noqa: E402
+
+DEMO_RESERVE_S = 90  # the demo's share of --budget-minutes: it took 57 s on an H100 (benchmarks/RESULTS.md)
 
 
 def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str:
@@ -74,9 +81,11 @@ def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str
     return f"{members * per_call} ({members} members × {per_call} prompts)"
 
 
-def measure(args, size: int, task, after_round=None) -> dict:
+def measure(args, size: int, task, after_round=None, deadline: float | None = None) -> dict:
     """Every path's rounds at `size` prompts; `after_round` gets the result so far after each timed round (so a
-    run cut short, by a device lease say, keeps the rounds it finished)."""
+    run cut short, by a device lease say, keeps the rounds it finished). With a `deadline` (a perf_counter
+    time), a timed round starts only if a round as long as the last one ends before it; the warm-up and the
+    first timed round always run."""
     import torch
 
     from esft.es import strategy
@@ -87,7 +96,14 @@ def measure(args, size: int, task, after_round=None) -> dict:
     seconds: dict[str, list[float]] = {name: [] for name in args.paths}
     peak: dict[str, int] = {name: 0 for name in args.paths}
     rows = {}
+    last_round, stopped_by_budget = 0.0, False
     for round_ in range(args.rounds + 1):  # round 0 warms up every path (kernels, allocator), not counted
+        if round_ > 1 and deadline is not None and time.perf_counter() + last_round > deadline:
+            stopped_by_budget = True
+            print(f"  {size} prompts: round {round_} not started: at {last_round:.1f} s a round, it would end after "
+                  f"this size's share of --budget-minutes", file=sys.stderr, flush=True)
+            break
+        round_started = time.perf_counter()
         batch = prompt_batch(task.train_dataset, 0, size, round_)
         for name in args.paths:
             runner = runners[name]
@@ -114,11 +130,13 @@ def measure(args, size: int, task, after_round=None) -> dict:
             if round_:
                 seconds[name].append(elapsed)
             print(f"  {size} prompts, round {round_}: {name} {elapsed:.2f} s", file=sys.stderr, flush=True)
+        last_round = time.perf_counter() - round_started
         print(f"  {size} prompts: round {round_}/{args.rounds} "
               f"{'(warm-up) ' if not round_ else ''}done, {load_average()}", file=sys.stderr, flush=True)
         if round_ and after_round is not None:
             after_round(summarise(args, size, described, seconds, peak, rows, runners))
     result = summarise(args, size, described, seconds, peak, rows, runners)
+    result["stopped_by_budget"] = stopped_by_budget
     del runners
     if cuda:
         torch.cuda.empty_cache()
@@ -160,8 +178,10 @@ def markdown(report: dict) -> str:
     lines = [f"GPU table, {machine['date']}, commit {machine['commit']}, {machine['gpu']}, torch {machine['torch']}, "
              f"{report['args']['dtype']}; `{report['command']}`", ""]
     for result in report["results"]:
-        cut = (f" **only {result['rounds_timed']} of {report['args']['rounds']} timed rounds: the run stopped before "
-               f"the others**" if result["rounds_timed"] < report["args"]["rounds"] else "")
+        why = (f"the next would have ended after this size's share of --budget-minutes {report['args']['budget_minutes']:g}"
+               if result.get("stopped_by_budget") else "the run stopped before the others")
+        cut = (f" **only {result['rounds_timed']} of {report['args']['rounds']} timed rounds: {why}**"
+               if result["rounds_timed"] < report["args"]["rounds"] else "")
         lines += [f"**{result['prompts']} prompts per iteration**, N = {report['args']['population']}, up to "
                   f"{report['args']['max_tokens']} new tokens; {result['model']}{cut}", "",
                   "| path | s / iteration (median, min–max) | reference / path | limit / path (fraction of the limit) "
@@ -172,8 +192,7 @@ def markdown(report: dict) -> str:
                 label += " (auto chose one member at a time)"
             vs_ref = format_ratio(result["vs_reference"][name]) if name in result["vs_reference"] else "—"
             of_limit = format_ratio(result["of_limit"][name], percent=True) if name in result["of_limit"] else "—"
-            ordered = sorted(values)
-            lines.append(f"| {label} | {ordered[len(ordered) // 2]:.2f} ({ordered[0]:.2f}–{ordered[-1]:.2f}) | {vs_ref} "
+            lines.append(f"| {label} | {statistics.median(values):.2f} ({min(values):.2f}–{max(values):.2f}) | {vs_ref} "
                          f"| {of_limit} | {result['rows_per_call'][name]} | {result['peak_bytes'][name] / 2**30:.1f} GiB |")
         lines.append("")
     demo = report.get("demo")
@@ -200,6 +219,11 @@ def main() -> None:
     parser.add_argument("--demo", action=argparse.BooleanOptionalAction, default=True, help="also run the demo end to end")
     parser.add_argument("--out", default=".", help="directory for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse, where .git is)")
+    parser.add_argument("--budget-minutes", type=float, default=14.0,
+                        help="wall time for the whole run (default 14: one 15-minute GPU lease less its start): each "
+                             "prompt size gets an equal share of what is left (less %d s for the demo), and a round "
+                             "that would end after it is not started (each size keeps its warm-up and one timed "
+                             "round); 0: no limit" % DEMO_RESERVE_S)
     args = parser.parse_args()
     args.paths = [p for p in args.paths.split(",") if p]
     refuse_unknown_paths(parser, args.paths)
@@ -210,8 +234,8 @@ def main() -> None:
         parser.exit(2, "gpu_suite: no CUDA device here; run it on a GPU machine, or --device cpu for a smoke test\n")
     from esft.tasks.countdown_task import make_countdown_task
 
-    task = make_countdown_task(seed=0, difficulty="easy")
     started = time.perf_counter()
+    task = make_countdown_task(seed=0, difficulty="easy")
     commit = args.commit or subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True,
                                            text=True).stdout.strip()
     report = {"command": "python benchmarks/gpu_suite.py " + " ".join(sys.argv[1:]), "args": vars(args), "results": [],
@@ -226,15 +250,21 @@ def main() -> None:
         write_text_atomic(out / "gpu_suite.json", json.dumps({**report, "results": results}, indent=1, default=float))
         write_text_atomic(out / "gpu_suite.md", markdown({**report, "results": results}))
 
-    for size in (int(s) for s in args.prompts.split(",")):
-        report["results"].append(measure(args, size, task, lambda partial: write([*report["results"], partial])))
+    sizes = [int(s) for s in args.prompts.split(",")]
+    for index, size in enumerate(sizes):
+        deadline = None
+        if args.budget_minutes > 0:  # an equal share of what is left, so the first size cannot take the others' time
+            left = started + args.budget_minutes * 60 - (DEMO_RESERVE_S if args.demo else 0) - time.perf_counter()
+            deadline = time.perf_counter() + left / (len(sizes) - index)
+        report["results"].append(measure(args, size, task, lambda partial: write([*report["results"], partial]),
+                                         deadline))
         write(report["results"])
     if args.demo:
         report["demo"] = run_demo(args)
     report["total_seconds"] = time.perf_counter() - started
     write(report["results"])
     print("\n" + markdown(report))
-    print(f"total {report['total_seconds']:.0f} s; wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}")
+    print(f"total {report['total_seconds']:.0f} s (budget {args.budget_minutes:g} min); wrote {out / 'gpu_suite.json'} and {out / 'gpu_suite.md'}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ say, or stop with an error; the speed figures themselves live in benchmarks/RESU
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -103,6 +104,40 @@ def test_gpu_suite_on_a_cpu_times_every_path_and_writes_its_table(tmp_path):
     assert result["rounds_timed"] == 2
     table = (tmp_path / "gpu_suite.md").read_text()
     assert "| limit |" in table and "timed rounds: the run stopped" not in table
+
+
+def test_gpu_suite_keeps_to_its_time_budget_and_shares_it_between_prompt_sizes(tmp_path):
+    """--budget-minutes: 200 rounds asked, 6 s allowed; each size gets its share (the first cannot take the
+    second's), stops starting rounds that would end after it, keeps what it measured and says why it stopped."""
+    proc = _run("gpu_suite.py", "--device", "cpu", "--dtype", "float32", "--model", "embedded", "--prompts", "2,4",
+                "--population", "3", "--max-tokens", "4", "--rounds", "200", "--paths", "reference,preset,limit",
+                "--no-demo", "--budget-minutes", "0.1", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert [r["prompts"] for r in report["results"]] == [2, 4]
+    for result in report["results"]:
+        assert 1 <= result["rounds_timed"] < 200 and result["stopped_by_budget"], result["rounds_timed"]
+        assert result["of_limit"]["preset"]["rounds"] == result["rounds_timed"]
+    assert report["total_seconds"] < 60  # 400 rounds unbudgeted take minutes
+    table = (tmp_path / "gpu_suite.md").read_text()
+    assert table.count("timed rounds: the next would have ended after this size's share of --budget-minutes 0.1") == 2
+    assert re.search(r"2 prompts: round \d+ not started: at [\d.]+ s a round", proc.stderr), proc.stderr[-2000:]
+
+
+def test_gpu_suite_table_gives_each_paths_median_seconds():
+    """The seconds column is the median over the rounds (of two rounds, their mean, not the slower one), with
+    the min–max beside it; a CPU's tiny rounds round to the same 2 decimals, so this feeds the table known times."""
+    spec = importlib.util.spec_from_file_location("gpu_suite", BENCHMARKS / "gpu_suite.py")
+    gpu_suite = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_suite)
+    result = {"prompts": 32, "model": "a model", "rounds_timed": 2, "population_batching": {}, "vs_reference": {},
+              "of_limit": {}, "seconds": {"reference": [69.1, 75.2], "limit": [1.0, 3.0]},
+              "rows_per_call": {"reference": "32", "limit": "960"}, "peak_bytes": {"reference": 2**30, "limit": 2**31}}
+    report = {"machine": {"date": "today", "commit": "abc", "gpu": "a GPU", "torch": "2"}, "command": "gpu_suite.py",
+              "args": {"dtype": "bfloat16", "rounds": 2, "population": 30, "max_tokens": 64}, "results": [result]}
+    rows = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in gpu_suite.markdown(report).splitlines()
+            if line.startswith("| ") and not line.startswith(("| path", "| ---"))}
+    assert rows == {"reference": "72.15 (69.10–75.20)", "limit": "2.00 (1.00–3.00)"}
 
 
 def test_gpu_suite_cut_short_keeps_the_rounds_it_finished(tmp_path):
