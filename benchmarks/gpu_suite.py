@@ -227,6 +227,8 @@ def main() -> None:
     args = parser.parse_args()
     args.paths = [p for p in args.paths.split(",") if p]
     refuse_unknown_paths(parser, args.paths)
+    if args.budget_minutes < 0:
+        parser.error(f"--budget-minutes {args.budget_minutes:g}: give minutes for the whole run, or 0 for no limit")
 
     import torch
 

@@ -122,6 +122,9 @@ def test_gpu_suite_keeps_to_its_time_budget_and_shares_it_between_prompt_sizes(t
     table = (tmp_path / "gpu_suite.md").read_text()
     assert table.count("timed rounds: the next would have ended after this size's share of --budget-minutes 0.1") == 2
     assert re.search(r"2 prompts: round \d+ not started: at [\d.]+ s a round", proc.stderr), proc.stderr[-2000:]
+    refused = _run("gpu_suite.py", "--device", "cpu", "--budget-minutes", "-1", "--out", str(tmp_path / "refused"))
+    assert refused.returncode == 2 and "--budget-minutes -1: give minutes for the whole run" in refused.stderr
+    assert not (tmp_path / "refused").exists()
 
 
 def test_gpu_suite_table_gives_each_paths_median_seconds():
