@@ -256,8 +256,9 @@ def main() -> None:
     for index, size in enumerate(sizes):
         deadline = None
         if args.budget_minutes > 0:  # an equal share of what is left, so the first size cannot take the others' time
-            left = started + args.budget_minutes * 60 - (DEMO_RESERVE_S if args.demo else 0) - time.perf_counter()
-            deadline = time.perf_counter() + left / (len(sizes) - index)
+            now = time.perf_counter()
+            left = started + args.budget_minutes * 60 - (DEMO_RESERVE_S if args.demo else 0) - now
+            deadline = now + left / (len(sizes) - index)
         report["results"].append(measure(args, size, task, lambda partial: write([*report["results"], partial]),
                                          deadline))
         write(report["results"])
