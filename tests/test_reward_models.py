@@ -138,7 +138,7 @@ def test_an_es_run_scored_by_two_reward_models(tiny_reward_model_dir, chat_rewar
     assert rows[1]["reward/errors"] == 0
     assert {f"rewards/reward_model:{tiny_reward_model_dir.name}/mean", f"rewards/reward_model:{chat_reward_model_dir.name}/mean"} <= set(rows[1])
     samples = read_jsonl(tmp_path / "runs/run/eval/iteration-1/train.jsonl")
-    first = RewardModel(str(tiny_reward_model_dir))([s["prompt"] for s in samples], [s["completion"] for s in samples])
-    second = RewardModel(str(chat_reward_model_dir))([s["prompt"] for s in samples], [s["completion"] for s in samples])
+    first = RewardModel(str(tiny_reward_model_dir), device="cpu")([s["prompt"] for s in samples], [s["completion"] for s in samples])
+    second = RewardModel(str(chat_reward_model_dir), device="cpu")([s["prompt"] for s in samples], [s["completion"] for s in samples])
     assert [s["reward"] for s in samples] == pytest.approx([a - 0.5 * b for a, b in zip(first, second)], rel=1e-4, abs=1e-4)
     assert rows[-1]["eval/train/reward"] == pytest.approx(sum(s["reward"] for s in samples) / len(samples), rel=1e-6)

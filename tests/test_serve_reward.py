@@ -74,7 +74,8 @@ def server(tiny_reward_model_dir):
 
 @pytest.fixture(scope="module")
 def in_process(tiny_reward_model_dir):
-    return RewardModel(str(tiny_reward_model_dir), device="cpu")
+    """The served model in this process, on the device the server chose (--device auto: CUDA where there is one)."""
+    return RewardModel(str(tiny_reward_model_dir))
 
 
 def test_http_scores_equal_in_process_scores(server, in_process):
@@ -87,7 +88,7 @@ def test_http_scores_equal_in_process_scores(server, in_process):
                                                                     "labels": ["4", ""]}).json()
     assert answer["rewards"] == pytest.approx([expected[0], expected[2]], rel=1e-5, abs=1e-5)
     info = health(server)
-    assert {k: info[k] for k in ("status", "dtype", "device", "batch_size")} == {"status": "ok", "dtype": "float32", "device": "cpu", "batch_size": 16}
+    assert {k: info[k] for k in ("status", "dtype", "device", "batch_size")} == {"status": "ok", "dtype": "float32", "device": in_process.info()["device"], "batch_size": 16}
     assert info["model"] == in_process.model_id
 
 
@@ -177,7 +178,8 @@ def test_a_failing_forward_pass_is_a_500_with_a_message_and_the_server_goes_on(t
         ok = {"prompts": ["ab"], "completions": ["c!"]}  # printable ASCII: tokens below 100
         assert client.post("/score", json=ok).status_code == 200
         failing = client.post("/score", json={"prompts": ["a b"], "completions": ["c"]})
-        assert failing.status_code == 500 and failing.json()["detail"].startswith("internal error: IndexError")
+        assert failing.status_code == 500 and failing.json()["detail"].startswith(
+            "internal error: IndexError: token id 222 is past the model's 100 embedding rows")  # checked before the lookup
         assert "Traceback" not in failing.text and "\n" not in failing.json()["detail"]
         assert client.post("/score", json=ok).status_code == 200 and client.get("/health").json()["requests_served"] == 2
 

@@ -135,6 +135,12 @@ class RewardModel:
             chunk = order[start : start + self.batch_size]
             inputs = self.tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False,
                                     truncation=self.max_length is not None, max_length=self.max_length)
+            rows = self.model.get_input_embeddings().num_embeddings
+            if inputs["input_ids"].numel() and (top := int(inputs["input_ids"].max())) >= rows:
+                # checked here, on the CPU: on a GPU the lookup would fail with a device-side assert, which
+                # leaves the process's CUDA context unusable (every later request of a server would fail too)
+                raise IndexError(f"token id {top} is past the model's {rows} embedding rows: its tokenizer "
+                                 "does not match its weights")
             with torch.inference_mode():
                 logits = self.model(**inputs.to(self.model.device)).logits[:, 0]
             for i, value in zip(chunk, logits.float().tolist()):
