@@ -167,6 +167,27 @@ def test_gpu_suite_cut_short_keeps_the_rounds_it_finished(tmp_path):
     assert "only 1 of 3 timed rounds: the run stopped before the others" in table and "| preset |" in table
 
 
+def test_gpu_lease_script_names_failures_of_a_cut_run_then_writes_the_table(tmp_path):
+    """benchmarks/gpu_lease.sh, the one device call of a GPU lease, on a CPU: its test run is cut at PYTEST_S (a
+    test still sleeping), yet it counts and names the tests that ended (a failure among them); then gpu_suite's
+    table is written with the commit given."""
+    probe = tmp_path / "probe" / "test_probe.py"
+    probe.parent.mkdir()
+    probe.write_text("import time\n\ndef test_ok():\n    pass\n\ndef test_broken():\n    assert 1 == 2\n\n"
+                     "def test_slow():\n    time.sleep(300)\n")
+    suite = "--device cpu --dtype float32 --model embedded --prompts 4 --population 3 --max-tokens 4 --rounds 1 " \
+            "--paths reference,preset,limit --no-demo"
+    env = {**ONE_THREAD, "OUT": str(tmp_path), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels"), "WORKERS": "0",
+           "PYTEST_S": "25", "TESTS": str(probe), "COMMIT": "c0ffee1", "SUITE": suite}
+    proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_lease.sh")], capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "pytest exit 124" in proc.stdout and "cut at the cap" in proc.stdout, proc.stdout
+    assert "passed 1, failed 1, errors 0, skipped 0" in proc.stdout, proc.stdout
+    assert "test_probe.py::test_broken - assert 1 == 2" in proc.stdout  # the -rfE summary printed on SIGINT
+    assert "gpu_suite exit 0" in proc.stdout and "commit c0ffee1, CPU" in proc.stdout
+    assert "| limit |" in (tmp_path / "gpu_suite" / "gpu_suite.md").read_text()
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_gpu_suite_without_a_gpu_says_so_and_exits_2(tmp_path):
     proc = _run("gpu_suite.py", "--out", str(tmp_path))
