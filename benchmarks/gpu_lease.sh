@@ -7,8 +7,11 @@
 #   pip download --no-deps --only-binary :all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       -d .whl -r benchmarks/gpu_lease_wheels.txt
 # then, for example, two calls of up to 10 minutes each (a lease has 15 minutes in all, the machine's start included):
-#   run(command="COMMIT=<sha> bash benchmarks/gpu_lease.sh", carry=[".whl"], timeout_s=560)
-#   run(command="COMMIT=<sha> PYTEST_S=0 SUITE='--prompts 200 --no-demo --budget-minutes 5' bash benchmarks/gpu_lease.sh", ...)
+#   run(command="COMMIT=<sha> bash benchmarks/gpu_lease.sh", carry=[".whl"], timeout_s=540)
+#   run(command="COMMIT=<sha> PYTEST_S=0 SUITE='--prompts 32 --no-demo --budget-minutes 4' bash benchmarks/gpu_lease.sh", ...)
+# (the first: 240 s of tests, then the batched paths' fraction of the limit at 32 and 200 prompts, 5 rounds; the
+# second: every path at 32 prompts, the paper's loop included, as many rounds as 4 minutes take. The lease's 900 s
+# also pay for the machine's start.)
 #
 # Settings (environment):
 #   PYTEST_S  seconds for the tests (default 240; 0 skips them). At the cap pytest gets SIGINT, which makes it
@@ -16,7 +19,8 @@
 #   WORKERS   pytest-xdist workers (default 8: 15 made a load of 19, where timing-bound tests fail for the load;
 #             0: no xdist)
 #   TESTS     what pytest runs (default tests)
-#   SUITE     gpu_suite.py's arguments (default: 32 prompts, every path, no demo, a 4.5-minute budget)
+#   SUITE     gpu_suite.py's arguments (default: the batched paths and the limit, 32 and 200 prompts, 5 rounds, no
+#             demo, a 4-minute budget; the one-member-at-a-time paths take ~130 of a round's ~145 s at 32 prompts)
 #   COMMIT    the commit measured, written into the table (the machine's copy of the tree has no .git)
 #   PYTHON    the interpreter (default python3)
 #   WHEELS    the folder of wheels to install first, if it has any (default .whl)
@@ -50,7 +54,7 @@ fi
 
 echo "== gpu_suite after $((SECONDS - T0)) s, load $(cut -d' ' -f1-3 /proc/loadavg)"
 # shellcheck disable=SC2086  # SUITE is a list of arguments
-"$PYTHON" benchmarks/gpu_suite.py ${SUITE:---prompts 32 --no-demo --budget-minutes 4.5} --out "$OUT/gpu_suite" \
+"$PYTHON" benchmarks/gpu_suite.py ${SUITE:---prompts 32,200 --paths default,preset,limit --rounds 5 --no-demo --budget-minutes 4} --out "$OUT/gpu_suite" \
   ${COMMIT:+--commit "$COMMIT"} > "$OUT/gpu_suite.log" 2>&1
 code=$?
 echo "gpu_suite exit $code after $((SECONDS - T0)) s"
