@@ -27,6 +27,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for the logs and tables (the device tool sets it)}"
+mkdir -p "$OUT" || exit 1
 PYTHON=${PYTHON:-python3}
 T0=$SECONDS
 WHEELS=${WHEELS:-.whl}
@@ -42,8 +43,8 @@ if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,memory.us
 
 if [ "${PYTEST_S:-240}" != 0 ]; then
   echo "== tests: ${TESTS:-tests}, ${WORKERS:-8} workers, at most ${PYTEST_S:-240} s, load $(cut -d' ' -f1-3 /proc/loadavg)"
-  # shellcheck disable=SC2086  # TESTS may name several paths
   workers=(-n "${WORKERS:-8}"); [ "${WORKERS:-8}" = 0 ] && workers=()
+  # shellcheck disable=SC2086  # TESTS may name several paths
   COLUMNS=250 timeout -s INT "${PYTEST_S:-240}" "$PYTHON" -m pytest "${workers[@]}" -v -rfE -p no:cacheprovider ${TESTS:-tests} > "$OUT/pytest.log" 2>&1
   code=$?
   echo "pytest exit $code after $((SECONDS - T0)) s$([ $code = 124 ] && echo ": cut at the cap, the counts below are of the tests that ended")"

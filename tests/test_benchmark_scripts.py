@@ -177,7 +177,7 @@ def test_gpu_lease_script_names_failures_of_a_cut_run_then_writes_the_table(tmp_
                      "def test_slow():\n    time.sleep(300)\n")
     suite = "--device cpu --dtype float32 --model embedded --prompts 4 --population 3 --max-tokens 4 --rounds 1 " \
             "--paths reference,preset,limit --no-demo"
-    env = {**ONE_THREAD, "OUT": str(tmp_path), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels"), "WORKERS": "0",
+    env = {**ONE_THREAD, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable, "WHEELS": str(tmp_path / "no-wheels"), "WORKERS": "0",
            "PYTEST_S": "25", "TESTS": str(probe), "COMMIT": "c0ffee1", "SUITE": suite}
     proc = subprocess.run(["bash", str(BENCHMARKS / "gpu_lease.sh")], capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -185,7 +185,7 @@ def test_gpu_lease_script_names_failures_of_a_cut_run_then_writes_the_table(tmp_
     assert "passed 1, failed 1, errors 0, skipped 0" in proc.stdout, proc.stdout
     assert "test_probe.py::test_broken - assert 1 == 2" in proc.stdout  # the -rfE summary printed on SIGINT
     assert "gpu_suite exit 0" in proc.stdout and "commit c0ffee1, CPU" in proc.stdout
-    assert "| limit |" in (tmp_path / "gpu_suite" / "gpu_suite.md").read_text()
+    assert "| limit |" in (tmp_path / "out" / "gpu_suite" / "gpu_suite.md").read_text()  # OUT made by the script
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
