@@ -28,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to a folder for the logs and tables (the device tool sets it)}"
 mkdir -p "$OUT" || exit 1
-PYTHON=${PYTHON:-python3}
+PYTHON=${PYTHON:-python3} PYTEST_S=${PYTEST_S:-240} WORKERS=${WORKERS:-8} TESTS=${TESTS:-tests}
 T0=$SECONDS
 WHEELS=${WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" > /dev/null; then
@@ -41,11 +41,11 @@ export PYTHONUNBUFFERED=1
 if command -v nvidia-smi > /dev/null; then nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader; fi
 "$PYTHON" -c "import torch, transformers; print('torch', torch.__version__, '| CUDA', torch.cuda.is_available(), '| transformers', transformers.__version__)"
 
-if [ "${PYTEST_S:-240}" != 0 ]; then
-  echo "== tests: ${TESTS:-tests}, ${WORKERS:-8} workers, at most ${PYTEST_S:-240} s, load $(cut -d' ' -f1-3 /proc/loadavg)"
-  workers=(-n "${WORKERS:-8}"); [ "${WORKERS:-8}" = 0 ] && workers=()
+if [ "$PYTEST_S" != 0 ]; then
+  echo "== tests: $TESTS, $WORKERS workers, at most $PYTEST_S s, load $(cut -d' ' -f1-3 /proc/loadavg)"
+  workers=(-n "$WORKERS"); [ "$WORKERS" = 0 ] && workers=()
   # shellcheck disable=SC2086  # TESTS may name several paths
-  COLUMNS=250 timeout -s INT "${PYTEST_S:-240}" "$PYTHON" -m pytest "${workers[@]}" -v -rfE -p no:cacheprovider ${TESTS:-tests} > "$OUT/pytest.log" 2>&1
+  COLUMNS=250 timeout -s INT "$PYTEST_S" "$PYTHON" -m pytest "${workers[@]}" -v -rfE -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
   code=$?
   echo "pytest exit $code after $((SECONDS - T0)) s$([ $code = 124 ] && echo ": cut at the cap, the counts below are of the tests that ended")"
   echo "passed $(grep -c ' PASSED ' "$OUT/pytest.log"), failed $(grep -c ' FAILED ' "$OUT/pytest.log"), errors $(grep -c ' ERROR ' "$OUT/pytest.log"), skipped $(grep -c ' SKIPPED ' "$OUT/pytest.log")"

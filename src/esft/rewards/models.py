@@ -131,11 +131,11 @@ class RewardModel:
         self.load()
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         rewards = [0.0] * len(texts)
+        rows = self.model.get_input_embeddings().num_embeddings  # read per call: a model may be resized after load
         for start in range(0, len(order), self.batch_size):
             chunk = order[start : start + self.batch_size]
             inputs = self.tokenizer([texts[i] for i in chunk], return_tensors="pt", padding=True, add_special_tokens=False,
                                     truncation=self.max_length is not None, max_length=self.max_length)
-            rows = self.model.get_input_embeddings().num_embeddings
             if inputs["input_ids"].numel() and (top := int(inputs["input_ids"].max())) >= rows:
                 # checked here, on the CPU: on a GPU the lookup would fail with a device-side assert, which
                 # leaves the process's CUDA context unusable (every later request of a server would fail too)
