@@ -159,7 +159,8 @@ def engine_classes():
 
 def test_the_contract_lists_every_call():
     assert set(CONTRACT) >= {"perturb", "restore", "update", "generate", "checksum", "master_state", "load_master_state",
-                             "trainable_names", "num_trainable", "max_length", "save_pretrained", "close"}
+                             "trainable_names", "num_trainable", "max_length", "embedding_rows", "feeds_padding",
+                             "save_pretrained", "close"}
     for name in CONTRACT:
         assert inspect.getdoc(getattr(Engine, name)), f"Engine.{name} says nothing of what it must guarantee"
 
@@ -181,3 +182,6 @@ def test_an_in_process_engine_is_an_engine(tiny_model_dir):
     engine = TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=2)
     assert isinstance(engine, Engine)
     assert engine.trainable_names()[0] == next(iter(engine.master)) and engine.max_length() == 1024
+    assert engine.embedding_rows() == len(engine.tokenizer) == 258 and engine.feeds_padding()
+    engine.model.resize_token_embeddings(100)
+    assert engine.embedding_rows() == 100  # read from the model, not from its config at load

@@ -387,6 +387,56 @@ def test_prompts_the_model_cannot_take_are_named_before_generation(tiny_model_di
     assert not (tmp_path / "runs").exists()
 
 
+def mismatched_model(path: Path, kind: str) -> Path:
+    """A saved model whose tokenizer has tokens its embedding has no row for: 100 rows for the
+    258-token byte tokenizer ("short embedding"), or a pad token added to the tokenizer and not to
+    the model, as users do for GPT-2 ("added pad")."""
+    from transformers import AutoTokenizer
+
+    if kind == "short embedding":
+        return build_tiny_model(path, vocab_size=100)
+    build_tiny_model(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"pad_token": "<newpad>"})
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("short embedding", "the prompt of row 1 holds token id 222, past the model's 100 embedding rows"),
+    ("added pad", "the tokenizer's pad token '<newpad>' is id 258, past the model's 258 embedding rows"),
+])
+def test_a_tokenizer_that_does_not_match_the_weights_is_named_before_generation(tmp_path, kind, expected):
+    """Without the check a prompt's out-of-range token fails mid-run on CPU (a traceback), and on CUDA is a
+    device-side assert that leaves the process unable to use the GPU."""
+    model = mismatched_model(tmp_path / "model", kind)
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["abc", "a b", "fine"]))  # the space is id 222
+    proc = run([sys.executable, "-m", "esft.cli", "train", "--model", str(model), "--train-data", str(data),
+                "--reward-funcs", f"{TESTS / 'sandbox_rewards.py'}:length_reward", "--max-tokens", "4",
+                "--output-dir", str(tmp_path / "runs"), "--run-name", "r"], tmp_path)
+    line = one_error_line(proc, expected, "the tokenizer does not match the model's weights")
+    assert "resize_token_embeddings(len(tokenizer))" in line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_loaded_model_with_an_added_pad_token_is_refused_by_the_trainer(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esft.config import ESConfig
+    from esft.tasks.base import TaskError
+    from esft.trainer import ESTrainer
+
+    path = mismatched_model(tmp_path / "model", "added pad")
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    args = ESConfig(output_dir=str(tmp_path / "runs"), iterations=1, logging="none", progress=False, device="cpu")
+    with pytest.raises(TaskError, match="pad token '<newpad>' is id 258, past the model's 258 embedding rows"):
+        ESTrainer(model, R.length_reward, args, train_dataset=[{"prompt": "abc"}], processing_class=tokenizer)
+    model.resize_token_embeddings(len(tokenizer))  # what the message tells the user to do
+    trainer = ESTrainer(model, R.length_reward, args, train_dataset=[{"prompt": "abc"}], processing_class=tokenizer)
+    assert trainer.engine.embedding_rows() == 259
+
+
 # --------------------------------------------------------------------- 8. esft eval of a run's weights
 def test_eval_of_a_runs_weights_uses_the_runs_settings(finished_run, tmp_path):
     proc = run([sys.executable, str(TESTS / "toy_task.py"), "eval", "--model", str(finished_run / "final"),

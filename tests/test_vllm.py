@@ -102,6 +102,13 @@ def test_the_worker_process_runs_with_esft_train_s_malloc(vllm_engine):
     assert vllm_engine.worker_allocator == "allocator: glibc, heap only (no mmap, no trimming; esft.allocator)"
 
 
+def test_the_engine_names_its_embedding_rows_and_feeds_no_padding(vllm_engine):
+    """What the trainer checks prompts against (esft.tasks.loading.check_prompts): the model's
+    vocabulary as vLLM loaded it; vLLM takes each prompt's own ids, so a pad token never reaches it."""
+    assert vllm_engine.embedding_rows() == len(vllm_engine.tokenizer) == 258
+    assert vllm_engine.feeds_padding() is False
+
+
 def test_restore_is_bit_exact_and_brings_completions_back(vllm_engine):
     before, checksum = vllm_engine.generate(PROMPTS), vllm_engine.checksum()
     weights = vllm_engine.current_weights()

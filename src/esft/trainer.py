@@ -33,7 +33,7 @@ from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
-from esft.tasks.loading import check_prompt_lengths, render_rows
+from esft.tasks.loading import check_prompts, render_rows
 from esft.tasks.selection import overlap_line, select_rows
 
 
@@ -74,7 +74,9 @@ class ESTrainer:
         self.engine = self.executor.engine
         self._model = model if isinstance(model, str) else None  # a name or directory (export_merged's base)
         render_rows(self.task, self.engine.tokenizer)  # chat prompts become the text the model sees
-        check_prompt_lengths(self.task, self.engine.tokenizer, self.engine.max_length(), args.max_tokens)
+        engine = self.engine
+        check_prompts(self.task, engine.tokenizer, engine.max_length(), args.max_tokens, engine.embedding_rows(),
+                      engine.feeds_padding())
         self._kl = None
         # KL's base for a model passed as an object: a CPU float32 copy of its weights before training,
         # kept off the device until the first KL evaluation moves it to the model's device and dtype

@@ -154,6 +154,13 @@ class Engine(Protocol):
     def max_length(self) -> int | None:
         """Longest sequence (prompt + completion, in tokens) the model takes; None if unbounded."""
 
+    def embedding_rows(self) -> int | None:
+        """How many token ids the model's input embedding has rows for (ids 0 to rows-1); None if
+        unknown. A tokenizer with more tokens than this does not match the weights."""
+
+    def feeds_padding(self) -> bool:
+        """Whether the tokenizer's pad token id goes into the model (left-padded batches do)."""
+
     def save_pretrained(self, path: str | Path) -> None:
         """Write the master weights (rounded to the model dtype) and the tokenizer to `path`, loadable
         with AutoModelForCausalLM.from_pretrained; the model's own generation_config is kept. An

@@ -74,6 +74,14 @@ class TrainedModelEngine:
         """The model's position limit, None if it has none."""
         return self._text.max_length()
 
+    def embedding_rows(self) -> int | None:
+        """The rows of the model's input embedding."""
+        return self._text.embedding_rows()
+
+    def feeds_padding(self) -> bool:
+        """True: its text engine left-pads batches."""
+        return self._text.feeds_padding()
+
     # ---------------------------------------------------------------- weights
     def perturb(self, member_seed: int, sigma: float) -> None:
         """Not available: the weights are trained by gradient steps, not perturbed."""

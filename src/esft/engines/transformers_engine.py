@@ -246,6 +246,14 @@ class TransformersEngine:
                 return value
         return None
 
+    def embedding_rows(self) -> int | None:
+        """The rows of the model's input embedding (after any resize_token_embeddings)."""
+        return self.model.get_input_embeddings().num_embeddings
+
+    def feeds_padding(self) -> bool:
+        """True: every batch is left-padded with at least one pad column (_encode)."""
+        return True
+
     def close(self) -> None:
         """Nothing to release: the model lives in this process."""
 

@@ -251,6 +251,14 @@ class VLLMEngine:
         """vLLM's max_model_len: the longest prompt + completion this engine accepts."""
         return int(self.llm.llm_engine.model_config.max_model_len)
 
+    def embedding_rows(self) -> int | None:
+        """The model's vocabulary size as vLLM loaded it (its embedding's rows)."""
+        return int(self.llm.llm_engine.model_config.get_vocab_size())
+
+    def feeds_padding(self) -> bool:
+        """False: vLLM takes each prompt's own token ids, never a pad token."""
+        return False
+
     # ------------------------------------------------------------- generation
     def generate(
         self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None

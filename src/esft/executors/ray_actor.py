@@ -156,6 +156,12 @@ class ESActor:
     def max_length(self) -> int | None:
         return self.engine.max_length()
 
+    def embedding_rows(self) -> int | None:
+        return self.engine.embedding_rows()
+
+    def feeds_padding(self) -> bool:
+        return self.engine.feeds_padding()
+
     def perturb(self, seed: int, sigma: float) -> None:
         self.engine.perturb(seed, sigma)
 

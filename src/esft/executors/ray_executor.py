@@ -347,6 +347,12 @@ class RayEngine:
     def max_length(self) -> int | None:
         return self._executor._call_one("max_length")
 
+    def embedding_rows(self) -> int | None:
+        return self._executor._call_one("embedding_rows")
+
+    def feeds_padding(self) -> bool:
+        return self._executor._call_one("feeds_padding")
+
     def save_pretrained(self, path: str | Path) -> None:
         path = Path(path)
         for name, data in self._executor._call_one("saved_files").items():

@@ -202,18 +202,37 @@ def _row_list(indices: list[int]) -> str:
     return f"row{'s' if len(indices) > 1 else ''} {shown}" + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
 
 
-def check_prompt_lengths(task: Task, tokenizer: Any, max_length: int | None, max_tokens: int) -> None:
-    """TaskError naming the rows whose prompt has no token, or is too long to leave room for
-    `max_tokens` new tokens within the model's `max_length` positions: before any generation."""
+def check_prompts(task: Task, tokenizer: Any, max_length: int | None, max_tokens: int,
+                  embedding_rows: int | None = None, feeds_padding: bool = False) -> None:
+    """TaskError naming the rows whose prompt has no token, holds a token id the model has no
+    embedding row for, or is too long to leave room for `max_tokens` new tokens within the model's
+    `max_length` positions; and the pad token when the engine `feeds_padding` and the model has no
+    row for it: before any generation. A token past the embedding is a tokenizer that does not match
+    the weights: on CPU the lookup fails mid-run, on CUDA it is a device-side assert that leaves the
+    process unable to use the GPU."""
+    mismatch = ("the tokenizer does not match the model's weights; use the tokenizer saved with the model, or "
+                "resize the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer))) and save both")
+    pad = tokenizer.pad_token_id
+    if feeds_padding and embedding_rows is not None and pad is not None and pad >= embedding_rows:
+        raise TaskError(f"the tokenizer's pad token {tokenizer.pad_token!r} is id {pad}, past the model's {embedding_rows} "
+                        f"embedding rows; {mismatch}")
     sets = [(task.where(), task.train_dataset)] + [(task.where(split), rows) for split, rows in task.eval_datasets.items()]
     for where, rows in sets:
         if not rows:
             continue
-        lengths = [len(ids) for ids in tokenizer([row["prompt"] for row in rows], add_special_tokens=False)["input_ids"]]
+        ids = tokenizer([row["prompt"] for row in rows], add_special_tokens=False)["input_ids"]
+        lengths = [len(row) for row in ids]
         empty = [i for i, n in enumerate(lengths) if n == 0]
         if empty:
             raise TaskError(f"{where}: the prompt of {_row_list(empty)} is empty; every prompt needs text for the model "
                             "to continue (drop or fill those rows)")
+        if embedding_rows is not None:
+            past = [i for i, row in enumerate(ids) if max(row) >= embedding_rows]
+            if past:
+                largest = max(max(ids[i]) for i in past)
+                held = "holds token id" if len(past) == 1 else "hold token ids up to"
+                raise TaskError(f"{where}: the prompt{'s' if len(past) > 1 else ''} of {_row_list(past)} {held} {largest}, "
+                                f"past the model's {embedding_rows} embedding rows; {mismatch}")
         too_long = [i for i, n in enumerate(lengths) if max_length is not None and n + max_tokens > max_length]
         if too_long:
             longest = max(lengths[i] for i in too_long)
