@@ -98,6 +98,39 @@ def test_what_is_not_a_reward_model_is_refused_by_name(kind, message, tmp_path):
     assert str(error.value).startswith(f"--reward-model {path}")
 
 
+def reward_model_with_unembedded_tokens(path, kind: str):
+    """A saved reward model whose tokenizer gained a token its 258-row embedding has none for: a pad
+    token ("added pad", as users do for GPT-2) or a turn marker its chat template uses ("template token")."""
+    build_tiny_reward_model(path, chat_template="{% for m in messages %}<|turn|>{{ m['content'] }}{% endfor %}")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_special_tokens({"pad_token": "<newpad>"} if kind == "added pad" else {"additional_special_tokens": ["<|turn|>"]})
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind, expected", [
+    ("added pad", "the pad token '<newpad>' is id 258, past the model's 258 embedding rows"),
+    ("template token", "its chat template holds token '<|turn|>' (id 258), past the model's 258 embedding rows"),
+])
+def test_a_reward_model_whose_tokenizer_outgrew_its_weights_is_refused_at_load(kind, expected, tmp_path):
+    """Every padded batch (or every chat sample) would look such a token up: before, `esft train` stopped
+    after its first iteration's scoring (on CUDA: a device-side assert) and `serve-reward` served it."""
+    path = reward_model_with_unembedded_tokens(tmp_path / "rm", kind)
+    with pytest.raises(RewardModelError, match=re.escape(expected)):
+        RewardModel(str(path)).load()
+    (tmp_path / "train.jsonl").write_text('{"prompt": "2 + 2 ="}\n{"prompt": "a longer prompt"}\n')
+    proc, _ = esft("train", "--reward-model", str(path), "--reward-model-device", "cpu", "--train-data", "train.jsonl",
+                   "--iterations", "1", "--population-size", "2", "--max-tokens", "4", "--no-progress", cwd=tmp_path)
+    line = assert_user_error(proc, f"--reward-model {path}", expected, "resize_token_embeddings(len(tokenizer))")
+    assert "does not match its weights" in line and not (tmp_path / "runs").exists()
+    proc, _ = esft("serve-reward", "--model", str(path), "--port", "0", cwd=tmp_path)  # refused before it serves
+    assert_user_error(proc, f"--model {path}", expected)
+    model = AutoModelForSequenceClassification.from_pretrained(path)
+    model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(path)))  # what the message says to do
+    model.save_pretrained(path)
+    assert len(RewardModel(str(path))(["2 + 2 =", "x"], [" 4", "a longer completion"])) == 2
+
+
 def test_reward_model_and_url_flags_repeat_and_combine_with_reward_funcs(tiny_reward_model_dir):
     config, _, _ = resolve_config("train", {"reward_funcs": "m:f", "reward_model": f"{tiny_reward_model_dir},org/rm",
                                          "reward_url": "http://127.0.0.1:1|http://127.0.0.1:2", "reward_weights": "1,2,3,4"})

@@ -81,7 +81,9 @@ class RewardModel:
             return self
         import torch
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+        from transformers.utils import logging as transformers_logging
 
+        transformers_logging.disable_progress_bar()  # as the engines do: a run's own bar is the one that matters
         try:
             config = AutoConfig.from_pretrained(self.model_id)
             tokenizer = AutoTokenizer.from_pretrained(self.model_id)
@@ -108,6 +110,10 @@ class RewardModel:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
         model.config.pad_token_id = tokenizer.pad_token_id  # the classifier reads the last non-pad token
+        if problem := _tokens_past_rows(tokenizer, model.get_input_embeddings().num_embeddings):
+            raise RewardModelError(f"{self.where}: {problem}; its tokenizer does not match its weights: save the "
+                                   "tokenizer the model was trained with, or resize the model's embeddings to the "
+                                   "tokenizer (model.resize_token_embeddings(len(tokenizer))) and save both")
         positions = getattr(config, "max_position_embeddings", None)
         limits = [n for n in (positions, tokenizer.model_max_length) if isinstance(n, int) and 0 < n < 1_000_000]
         self.max_length = min(limits) if limits else None
@@ -150,6 +156,22 @@ class RewardModel:
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **kwargs: Any) -> list[float]:
         """TRL's reward signature: one reward per (prompt, completion); other columns are ignored."""
         return self.score_texts(self.texts(prompts, completions))
+
+
+def _tokens_past_rows(tokenizer: Any, rows: int) -> str | None:
+    """What every scoring call would look up past the embedding's `rows` (None if nothing): the pad token
+    (every batch of texts of different lengths is padded with it) or a token of the model's own chat
+    template (in every chat sample). Found at load, before a run's first iteration or a server's first
+    request; other ids past the rows (an added token in a completion) are refused per call."""
+    if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
+        return f"the pad token {tokenizer.pad_token!r} is id {tokenizer.pad_token_id}, past the model's {rows} embedding rows"
+    if getattr(tokenizer, "chat_template", None):
+        conversation = reward_text([{"role": "user", "content": "x"}], [{"role": "assistant", "content": "y"}], tokenizer)
+        past = sorted({i for i in tokenizer(conversation, add_special_tokens=False)["input_ids"] if i >= rows})
+        if past:
+            return (f"its chat template holds token {tokenizer.convert_ids_to_tokens(past[0])!r} (id {past[0]}), past the "
+                    f"model's {rows} embedding rows")
+    return None
 
 
 def _first_line(error: BaseException) -> str:
