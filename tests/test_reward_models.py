@@ -4,6 +4,7 @@ prompt + completion as TRL does, batched, in the trainer process; bad models and
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 
@@ -129,6 +130,29 @@ def test_a_reward_model_whose_tokenizer_outgrew_its_weights_is_refused_at_load(k
     model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(path)))  # what the message says to do
     model.save_pretrained(path)
     assert len(RewardModel(str(path))(["2 + 2 =", "x"], [" 4", "a longer completion"])) == 2
+
+
+def test_a_reward_model_built_by_hand_in_a_script_is_checked_when_the_trainer_is_built(tmp_path, tiny_model_dir):
+    """`ESTrainer(model, RewardModel(path), ...)` in a user's script: the reward model loads (and is
+    refused) with the task, before the policy does; before, it loaded at the first scoring call."""
+    import subprocess
+    import sys
+
+    path = reward_model_with_unembedded_tokens(tmp_path / "rm", "added pad")
+    script = tmp_path / "train_script.py"
+    script.write_text(
+        "from esft import ESConfig, ESTrainer\n"
+        "from esft.rewards.models import RewardModel\n"
+        f"args = ESConfig(output_dir='out', iterations=1, population_size=2, max_tokens=4, logging='none', progress=False)\n"
+        f"trainer = ESTrainer({str(tiny_model_dir)!r}, RewardModel({str(path)!r}, device='cpu'), args,\n"
+        "                    train_dataset=[{'prompt': '2 + 2 ='}, {'prompt': 'a longer prompt'}])\n"
+        "print('BUILT')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "BUILT" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("esft.tasks.base.TaskError: reward model ") and "the pad token '<newpad>' is id 258" in last, last
+    assert not (tmp_path / "out").exists()
 
 
 def test_reward_model_and_url_flags_repeat_and_combine_with_reward_funcs(tiny_reward_model_dir):

@@ -93,8 +93,9 @@ def _eval_splits(eval_dataset: Any, label: str) -> dict[str, Any]:
 
 
 def prepare_task(task: Any, origin: str = "the task") -> Task:
-    """Check a Task before any model loads: rows (dicts with a prompt, after the optional template),
-    reward and accuracy functions against the columns of every dataset. Returns it normalised."""
+    """Check a Task before the policy model loads: rows (dicts with a prompt, after the optional template),
+    reward and accuracy functions against the columns of every dataset; RewardModel rewards are loaded
+    (a bad one is a TaskError here). Returns it normalised."""
     if not isinstance(task, Task):
         raise TaskError(f"{origin} returned a {type(task).__name__}, not an esft Task")
     train_where = task.metadata.get("train_where", "train_dataset")
@@ -112,6 +113,12 @@ def prepare_task(task: Any, origin: str = "the task") -> Task:
         raise TaskError(f"{origin} has no reward functions")
     if task.reward_weights is not None and len(task.reward_weights) != len(funcs):
         raise TaskError(f"{origin}: {len(task.reward_weights)} reward weights for {len(funcs)} reward functions")
+    for func in funcs:  # a RewardModel built by hand loads now, as one named by a string does: a bad one fails here
+        if isinstance(func, RewardModel):
+            try:
+                func.load()
+            except RewardModelError as error:
+                raise TaskError(str(error)) from None
     datasets = ([(train_where, train)] if train else []) + [(labels[s], rows) for s, rows in evals.items()]
     target = task.metadata.get("target_column")
     for where, rows in datasets:
