@@ -132,6 +132,14 @@ def test_a_reward_model_whose_tokenizer_outgrew_its_weights_is_refused_at_load(k
     assert len(RewardModel(str(path))(["2 + 2 =", "x"], [" 4", "a longer completion"])) == 2
 
 
+def test_a_chat_template_that_rejects_the_load_check_still_loads(tmp_path):
+    """The load renders a user/assistant conversation to look for template tokens past the rows; a template
+    that insists on a system turn raises there, and that is no reason to refuse a model that scores text."""
+    rejecting = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn first') }}{% endif %}{{ messages[-1]['content'] }}"
+    scorer = RewardModel(str(build_tiny_reward_model(tmp_path, chat_template=rejecting)), device="cpu")
+    assert scorer.load().model is not None and len(scorer(["2 + 2 ="], [" 4"])) == 1
+
+
 def test_a_reward_model_built_by_hand_in_a_script_is_checked_when_the_trainer_is_built(tmp_path, tiny_model_dir):
     """`ESTrainer(model, RewardModel(path), ...)` in a user's script: the reward model loads (and is
     refused) with the task, before the policy does; before, it loaded at the first scoring call."""

@@ -166,7 +166,10 @@ def _tokens_past_rows(tokenizer: Any, rows: int) -> str | None:
     if tokenizer.pad_token_id is not None and tokenizer.pad_token_id >= rows:
         return f"the pad token {tokenizer.pad_token!r} is id {tokenizer.pad_token_id}, past the model's {rows} embedding rows"
     if getattr(tokenizer, "chat_template", None):
-        conversation = reward_text([{"role": "user", "content": "x"}], [{"role": "assistant", "content": "y"}], tokenizer)
+        try:
+            conversation = reward_text([{"role": "user", "content": "x"}], [{"role": "assistant", "content": "y"}], tokenizer)
+        except Exception:  # a template that rejects this probe (e.g. one that wants a system turn): not ours to judge here
+            return None
         past = sorted({i for i in tokenizer(conversation, add_special_tokens=False)["input_ids"] if i >= rows})
         if past:
             return (f"its chat template holds token {tokenizer.convert_ids_to_tokens(past[0])!r} (id {past[0]}), past the "
