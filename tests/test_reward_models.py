@@ -7,6 +7,8 @@ import json
 import os
 import pickle
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -143,9 +145,6 @@ def test_a_chat_template_that_rejects_the_load_check_still_loads(tmp_path):
 def test_a_reward_model_built_by_hand_in_a_script_is_checked_when_the_trainer_is_built(tmp_path, tiny_model_dir):
     """`ESTrainer(model, RewardModel(path), ...)` in a user's script: the reward model loads (and is
     refused) with the task, before the policy does; before, it loaded at the first scoring call."""
-    import subprocess
-    import sys
-
     path = reward_model_with_unembedded_tokens(tmp_path / "rm", "added pad")
     script = tmp_path / "train_script.py"
     script.write_text(

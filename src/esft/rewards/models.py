@@ -170,9 +170,9 @@ def _tokens_past_rows(tokenizer: Any, rows: int) -> str | None:
             conversation = reward_text([{"role": "user", "content": "x"}], [{"role": "assistant", "content": "y"}], tokenizer)
         except Exception:  # a template that rejects this probe (e.g. one that wants a system turn): not ours to judge here
             return None
-        past = sorted({i for i in tokenizer(conversation, add_special_tokens=False)["input_ids"] if i >= rows})
-        if past:
-            return (f"its chat template holds token {tokenizer.convert_ids_to_tokens(past[0])!r} (id {past[0]}), past the "
+        past = min((i for i in tokenizer(conversation, add_special_tokens=False)["input_ids"] if i >= rows), default=None)
+        if past is not None:
+            return (f"its chat template holds token {tokenizer.convert_ids_to_tokens(past)!r} (id {past}), past the "
                     f"model's {rows} embedding rows")
     return None
 
