@@ -8,7 +8,6 @@ Countdown a random model scores 0 everywhere, updates are zero and these checks 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,7 +31,7 @@ from esft.cli import main
 from esft.config import ESConfig
 from esft.runs.directory import ResumeError, find_resume_point
 from esft.tasks import TASKS, TaskError
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, make_toy_task, toy_rows
 
 TESTS = Path(__file__).parent
@@ -63,7 +62,7 @@ def run_in_process(argv: list[str]) -> None:
 
 def run_in_subprocess(argv: list[str], cwd: Path) -> None:
     """`esft` in a fresh interpreter (tests/toy_task.py registers the toy task, then runs the CLI)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *argv], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from safetensors.torch import load_file
 from esft.cli import resolve_config
 from esft.config import DEMO_PRESET, ESConfig
 from esft.tasks.countdown import countdown_accuracy, countdown_reward
+from tiny_model import subprocess_env
 
 TINY = ["--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "4",
         "--train-size", "20", "--eval-batch-size", "4", "--no-progress"]
@@ -29,8 +29,7 @@ SAMPLE_KEYS = {"prompt", "completion", "target", "reward", "accuracy"}
 
 def esft(*args: str, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
     """Run `python -m esft.cli ARGS`; returns the finished process and its wall time in seconds."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONIOENCODING": "utf-8", "COLUMNS": "100",
-           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = {**subprocess_env(), "PYTHONIOENCODING": "utf-8", "COLUMNS": "100"}
     started = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, encoding="utf-8", timeout=timeout)

@@ -10,7 +10,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,12 @@ import esft
 from safetensors.torch import load_file
 
 from esft import ESConfig, ESTrainer
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, toy_rows
 
 ROOT = Path(__file__).parents[1]
 ESFT_SRC = Path(esft.__file__).parents[1]  # the esft under test, in subprocesses too
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+ENV = {**subprocess_env(),
        "PYTHONPATH": str(ESFT_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
 
 
@@ -433,27 +432,35 @@ def test_readme_commands_for_their_data_run_as_written(tiny_model_dir, tmp_path)
     assert paper["eval/countdown/reward"] == pytest.approx(0.3)  # rows 200-203 only: targets 400-406
 
 
-async def slow_judge_a(prompts, completions, **kwargs):
+JUDGES_STARTED: set[str] = set()
+
+
+async def _judge_waiting_for_the_other(name: str, value: float, completions) -> list[float]:
+    """A judge (an HTTP call) that answers only once the other judge's call has started too: awaited one
+    after the other, the first never sees the second and gives up after 10 s (its samples then fail).
+    No wall-clock bound, so a loaded machine cannot fail it."""
     import asyncio
 
-    await asyncio.sleep(1.0)  # an HTTP call to a judge
-    return [1.0] * len(completions)
+    JUDGES_STARTED.add(name)
+    for _ in range(500):
+        if JUDGES_STARTED == {"a", "b"}:
+            return [value] * len(completions)
+        await asyncio.sleep(0.02)
+    raise TimeoutError(f"judge {name}: the other judge never started while this one waited")
+
+
+async def slow_judge_a(prompts, completions, **kwargs):
+    return await _judge_waiting_for_the_other("a", 1.0, completions)
 
 
 async def slow_judge_b(prompts, completions, **kwargs):
-    import asyncio
-
-    await asyncio.sleep(1.0)
-    return [2.0] * len(completions)
+    return await _judge_waiting_for_the_other("b", 2.0, completions)
 
 
 def test_async_rewards_in_process_run_concurrently():
-    import time
-
     from esft.rewards.runner import RewardRunner
 
+    JUDGES_STARTED.clear()
     runner = RewardRunner([slow_judge_a, slow_judge_b], sandbox=False)
-    started = time.perf_counter()
     scores = runner.score([{"prompt": "p"}, {"prompt": "q"}], ["a", "b"])
-    assert time.perf_counter() - started < 1.8  # both awaited at once: about 1 s, not 2
     assert scores.total == [3.0, 3.0] and scores.failures == 0

@@ -4,7 +4,6 @@ rule unchanged, the optimizer state in checkpoints (resume stays bitwise), Ray =
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from esft.config import embedded_model_path
+from tiny_model import subprocess_env
 from esft.engines.transformers_engine import TransformersEngine
 from esft.es import lowrank
 from esft.es.noise import draw_noise, perturbs
@@ -118,7 +117,7 @@ ADAM = ["--optimizer", "adam", "--alpha", "1e-4", "--weight-decay", "0.01"]
 
 
 def esft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, "-m", "esft.cli", "train", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
 

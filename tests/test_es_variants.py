@@ -24,7 +24,7 @@ from esft.es.noise import draw_noise, lowrank_factors
 from esft.executors import LocalExecutor
 from esft.reward_faults import reward_matrix
 from esft.rewards.runner import RewardRunner, score
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, toy_rows
 
 TESTS = Path(__file__).parent
@@ -205,7 +205,7 @@ VARIANTS = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "l
 
 def toy_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`esft` as a user runs it, with the toy task registered (tests/toy_task.py)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join(sys.path)}
     return subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
 

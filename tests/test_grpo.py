@@ -15,6 +15,7 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
+from tiny_model import subprocess_env
 from esft.config import ConfigError, ESConfig
 from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
 
@@ -27,7 +28,7 @@ SMALL = ["--task", TASK, "--max-tokens", "4", "--eval-batch-size", "4", "--no-pr
 ES = ["--population-size", "2", "--batch-size", "2"]  # 4 completions per iteration
 GRPO = ["--algorithm", "grpo", "--num-generations", "2", "--per-device-train-batch-size", "4",
         "--no-gradient-checkpointing", "--learning-rate", "1e-3"]  # 4 completions per optimizer step
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+ENV = subprocess_env()
 
 
 def tree(run: Path) -> set[str]:

@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft", reason="install esft[lora] to test LoRA-ES")
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model, subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -56,7 +56,7 @@ def train_args(model: Path, data: Path, out: Path, run_name: str, *extra: str) -
 
 
 def esft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+    env = {**subprocess_env(),
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
     return subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
                           timeout=180)

@@ -19,10 +19,10 @@ from esft.engines.base import NonFiniteWeights
 from esft.engines.transformers_engine import TransformersEngine
 import sandbox_rewards as R
 from esft.rewards.runner import RewardRunner
-from tiny_model import build_tiny_model
+from tiny_model import build_tiny_model, subprocess_env
 
 TESTS = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+ENV = subprocess_env()
 ROWS = [{"prompt": f"p{i}"} for i in range(4)]
 
 

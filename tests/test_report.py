@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tiny_model import subprocess_env
 from esft.runs.report import build_figures, write_report
 from esft.runs.report_data import ReportError, load_run, load_runs
 from test_cli import TINY, assert_user_error, esft
@@ -214,7 +214,7 @@ def test_what_is_not_a_run_is_a_report_error(tmp_path, make, message):
 # ------------------------------------------------------------------ real runs, the CLI
 def toy_train(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     """`esft train --task toy` in a fresh interpreter (tests/toy_task.py registers the task)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = subprocess_env()
     return subprocess.run([sys.executable, str(TESTS / "toy_task.py"), "train", "--task", "toy", *TINY,
                            "--logging", "none", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=180)
 

@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
+from tiny_model import subprocess_env
 from test_serve_reward import free_port, start_server, stop
 
 TESTS = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+ENV = {**subprocess_env(),
        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
 
 # A reward the run calls in-process (--no-reward-sandbox) before the service's: at its Nth call it

@@ -4,7 +4,6 @@ prompt + completion as TRL does, batched, in the trainer process; bad models and
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import re
 import subprocess
@@ -15,12 +14,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from test_cli import assert_user_error, esft, read_jsonl
-from tiny_model import build_tiny_reward_model
+from tiny_model import build_tiny_reward_model, subprocess_env
 from esft.cli import resolve_config
 from esft.config import ConfigError, ESConfig
 from esft.rewards.models import RewardModel, RewardModelError
 from esft.rewards.runner import RewardRunner
-from esft.tasks.base import PROMPT_SOURCE, TaskError
+from esft.tasks.base import PROMPT_SOURCE
 from esft.tasks.custom import task_from_objects
 from esft.config import embedded_model_path
 
@@ -154,7 +153,7 @@ def test_a_reward_model_built_by_hand_in_a_script_is_checked_when_the_trainer_is
         f"trainer = ESTrainer({str(tiny_model_dir)!r}, RewardModel({str(path)!r}, device='cpu'), args,\n"
         "                    train_dataset=[{'prompt': '2 + 2 ='}, {'prompt': 'a longer prompt'}])\n"
         "print('BUILT')\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    env = subprocess_env()
     proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and "BUILT" not in proc.stdout, proc.stdout + proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]

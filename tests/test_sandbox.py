@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tiny_model import subprocess_env
 import sandbox_rewards as R
 from esft.rewards.runner import RewardRunner, score
 from esft.rewards.sandbox import WorkerPool
@@ -183,7 +184,7 @@ def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "answer": "1"}) + "\n" for p in prompts))
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "c", "answer": "1"}) + "\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env()
     funcs = ",".join(f"{TESTS / 'sandbox_rewards.py'}:{name}" for name in ("misbehaves_on_prompt", "length_reward"))
     proc = subprocess.run(
         [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(data),

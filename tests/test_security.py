@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tiny_model import subprocess_env
+
 TESTS = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+ENV = subprocess_env()
 VICTIM_BYTES = b"precious data that is not esft's\n"
 
 

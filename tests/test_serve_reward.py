@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tiny_model import subprocess_env
 from test_cli import esft, read_jsonl
 from esft.rewards.models import RewardModel
 from esft.rewards.remote import RewardServiceError, remote_reward
@@ -30,7 +31,7 @@ COMPLETIONS = [" 4", [{"role": "assistant", "content": "Blue."}], "yz", " and a 
 
 def start_server(model_dir: Path, *flags: str, port: int = 0, env: dict | None = None) -> tuple[subprocess.Popen, str]:
     """`python -m esft.cli serve-reward --model DIR ...`; returns the process and its URL once /health answers."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "ESFT_TEST_KEY": KEY, **(env or {})}
+    env = {**subprocess_env(), "ESFT_TEST_KEY": KEY, **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "esft.cli", "serve-reward", "--model", str(model_dir), "--port", str(port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()  # "esft serve-reward: DIR (dtype float32, device cpu) on http://127.0.0.1:PORT"

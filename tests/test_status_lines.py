@@ -13,8 +13,10 @@ import sys
 import time
 from pathlib import Path
 
+from tiny_model import subprocess_env
+
 TESTS = Path(__file__).parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+ENV = {**subprocess_env(),
        "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), str(TESTS), os.environ.get("PYTHONPATH", "")])}
 REWARDS = """
 calls = 0

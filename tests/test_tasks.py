@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import re
 import shlex
 import shutil
@@ -28,7 +27,7 @@ from esft.tasks.custom import load_callable, prepare_task, task_from_data
 from esft.tasks.loading import chatml, load_splits, render_prompt
 from esft.tasks.math_grading import gold_answers, grade, last_boxed, normalize
 from esft.tasks.math_task import SYSTEM_PROMPT, grade_all, math_reward
-from tiny_model import build_tokenizer
+from tiny_model import build_tokenizer, subprocess_env
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "byo_task"
@@ -381,7 +380,7 @@ def test_readme_example_commands_run(tiny_model_dir, tmp_path):
     commands = [shlex.split(line.rstrip("\\")) for block in _readme_blocks() for line in block.replace("\\\n", " ").splitlines()
                 if line.startswith("esft train") and "byo_task" in line]
     assert len(commands) == 2, commands
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env()
     results = []
     for index, command in enumerate(commands):
         proc = subprocess.run([sys.executable, "-m", "esft.cli", *command[1:], "--model", str(tiny_model_dir), *TINY,

