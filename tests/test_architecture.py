@@ -23,6 +23,7 @@ FORBIDDEN = {
     "esft.es.strategy": ("esft.",),  # ask/tell is pure: not even the noise
     "esft.es.noise": ("esft.",),  # but for ALLOWED's mirror helper
     "esft.es.batches": ("esft.",),
+    "esft.child_processes": ("esft.",),  # how engines and the reward sandbox start children: needs nothing of esft
     "esft.engines": ("esft.executors", "esft.trainer", "esft.cli", "esft.tasks", "esft.rewards", "esft.evaluation",
                      "esft.runs", "esft.grpo"),
     "esft.executors": ("esft.trainer", "esft.cli", "esft.runs", "esft.evaluation", "esft.grpo"),

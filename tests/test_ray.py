@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,3 +277,69 @@ def test_adam_on_ray_matches_local_also_after_an_actor_is_replaced(ray_cluster, 
         assert {int(state[k]) for k in state if k.startswith("step.")} == {3}
     finally:
         executor.close()
+
+
+NOTEBOOK = """
+import os, sys, time
+sys.path.insert(0, TESTS)
+from toy_task import byte_reward, toy_rows
+from esft import ESConfig, ESTrainer
+from esft.config import ConfigError
+
+def cell(name):  # the notebook cell that builds the trainer; its actor holds every CPU of esft's local Ray
+    return ESTrainer(model=MODEL, reward_funcs=[byte_reward], train_dataset=toy_rows(8),
+                     args=ESConfig(executor="ray", workers=1, ray_cpus_per_worker=os.cpu_count(), iterations=1,
+                                   population_size=2, batch_size=2, max_tokens=4, output_dir="runs", run_name=name,
+                                   logging="none", progress=False))
+
+first = cell("first")
+started = time.monotonic()
+try:
+    cell("again")  # the cell run again: Ray has no CPU left for a second actor
+except ConfigError as error:
+    print(f"REFUSED after {time.monotonic() - started:.0f} s: {error}", flush=True)
+first.close()  # as the message says
+second = cell("second")
+print("TRAINED", second.train()["reward/mean"] is not None, flush=True)
+second.close()
+try:
+    first.evaluate()
+except RuntimeError as error:
+    print("CLOSED:", error, flush=True)
+"""
+
+
+def test_a_notebook_cell_run_again_is_told_to_close_the_trainer_that_holds_ray_instead_of_hanging(tiny_model_dir,
+                                                                                                 tmp_path):
+    """Ray waits for room silently and forever: a second trainer whose actors cannot be placed (an
+    earlier cell's trainer holds the local cluster's CPUs/GPUs) used to hang. Now it is refused after a
+    short wait for room being given back, naming close(); close() gives the actors' room back."""
+    import subprocess
+    import sys
+
+    from tiny_model import subprocess_env
+
+    script = tmp_path / "notebook.py"
+    script.write_text(f"TESTS = {str(Path(__file__).parent)!r}\nMODEL = {str(tiny_model_dir)!r}\n{NOTEBOOK}")
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = next(line for line in proc.stdout.splitlines() if line.startswith("REFUSED"))
+    assert re.search(r"after (\d+) s: --workers: 1 actors need (\d+) CPU .* the local Ray cluster has 0 CPU free of "
+                     r"\2 CPU: the rest is held by other actors of this process.*call close\(\) on that trainer", refused)
+    assert int(re.search(r"after (\d+) s", refused).group(1)) <= 20  # the settling wait, not a hang
+    assert "TRAINED True" in proc.stdout
+    assert "CLOSED: this ESTrainer was closed (close() released its engine): build a new ESTrainer" in proc.stdout
+
+
+def test_actors_no_local_cluster_can_place_are_refused_in_one_line(tiny_model_dir, tmp_path):
+    """More GPUs per actor than any machine has: exit 2 and one line at once, not a run waiting forever."""
+    from test_cli import assert_user_error, esft
+
+    proc, _ = esft("train", "--model", str(tiny_model_dir), "--executor", "ray", "--ray-gpus-per-worker", "64",
+                   "--iterations", "1", "--logging", "none", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path,
+                   timeout=180)
+    gpus = torch.cuda.device_count()
+    assert_user_error(proc, "--workers: 1 actors need 1 CPU, 64 GPU", f"the local Ray cluster has {gpus} GPU in all: "
+                      "lower --workers or the per-worker resources")
+    assert not (tmp_path / "runs").exists()  # refused before the run directory is made

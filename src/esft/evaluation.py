@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -174,3 +175,15 @@ def _jsonable(value: Any) -> bool:
         return True
     except (TypeError, ValueError):
         return False
+
+
+def kl_scorer(engine, base: Any):
+    """KL(current || base) per token (esft.engines.logprobs.KLScorer; `base` a path or a state dict), or
+    None, said in one line, for an engine whose model is not in this process."""
+    model = getattr(engine, "model", None)
+    if model is None:
+        print("KL needs an in-process transformers engine; not reported", file=sys.stderr)
+        return None
+    from esft.engines.logprobs import KLScorer
+
+    return KLScorer(model, engine.tokenizer, base)

@@ -6,7 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -22,6 +25,22 @@ def make_temporary_dir(directory: Path, name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=directory, prefix=f".{name}.", suffix=".tmp"))
     tmp.chmod(0o777 & ~_umask())
     return tmp
+
+
+@contextmanager
+def directory_written_atomically(path: Path) -> Iterator[Path]:
+    """Yields a temporary sibling directory to write into; when the block ends, it replaces `path` (a
+    directory already there is removed), and if the block raises it is removed and `path` is untouched."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = make_temporary_dir(path.parent, path.name)
+    try:
+        yield tmp
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def write_text_atomic(path: Path, text: str) -> None:

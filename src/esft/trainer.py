@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -21,9 +20,9 @@ from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.lora import export_merged, uses_adapter
-from esft.evaluation import EvalSettings, evaluate_task
+from esft.evaluation import EvalSettings, evaluate_task, kl_scorer
 from esft.executors import build_executor
-from esft.files import make_temporary_dir
+from esft.files import directory_written_atomically
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
@@ -35,6 +34,8 @@ from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
 from esft.tasks.loading import check_prompts, render_rows
 from esft.tasks.selection import overlap_line, select_rows
+
+CLOSED = "this ESTrainer was closed (close() released its engine): build a new ESTrainer"
 
 
 class ESTrainer:
@@ -92,6 +93,7 @@ class ESTrainer:
         self.report_path: Path | None = None  # report.html, written by train() (esft.runs.report)
         self._trained = False  # train() was called: a second call continues the run (train's docstring)
         self._result: dict[str, float] = {}
+        self.closed = False  # close() was called: the engine is gone
 
     @property
     def model(self) -> Any:
@@ -135,13 +137,17 @@ class ESTrainer:
         --temperature/--eval-samples say otherwise); writes per-sample JSONL when a run directory is
         open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`. RewardError if a
         reward or accuracy function failed on every sample of a split."""
+        if self.closed:
+            raise RuntimeError(CLOSED)
         args = self.args
         settings = EvalSettings(args.eval_batch_size, args.eval_samples, args.temperature, args.top_p, args.seed, args.progress)
         folder = None
         if self.run_dir is not None:
             folder = self.run_dir / "eval" / f"iteration-{iteration if iteration is not None else self.state.iteration}"
         generate = lambda prompts, sampling: self.executor.generate(prompts, args.eval_batch_size, sampling)  # noqa: E731
-        kl = self._kl_scorer() if self.task.report_kl else None
+        if self.task.report_kl and self._kl is None:  # base: --base-model, else the initial weights of --model
+            self._kl = kl_scorer(self.engine, self.args.base_model or self._kl_base or model_path(self.args))
+        kl = self._kl if self.task.report_kl else None
         self._tell_rewards()
         return evaluate_task(generate, self.task, self.rewards, self.accuracy, settings, kl, folder)
 
@@ -151,18 +157,6 @@ class ESTrainer:
         for runner in (self.rewards, self.accuracy):
             if runner is not None:
                 runner.trainer_state = state
-
-    def _kl_scorer(self):
-        """KL(current || base) per token; base = --base-model, else the initial weights of --model."""
-        if self._kl is None:
-            model = getattr(self.engine, "model", None)
-            if model is None:
-                print("KL needs an in-process transformers engine; not reported", file=sys.stderr)
-                return None
-            from esft.engines.logprobs import KLScorer
-
-            self._kl = KLScorer(model, self.engine.tokenizer, self.args.base_model or self._kl_base or model_path(self.args))
-        return self._kl
 
     # ------------------------------------------------------------------- loop
     def train(self, resume_from_checkpoint: str | None = None) -> dict[str, float]:
@@ -179,6 +173,8 @@ class ESTrainer:
           checkpoints); after an interrupted one it resumes from the run's newest intact checkpoint,
           as --resume would (the weights in memory may hold half an update).
         """
+        if self.closed:
+            raise RuntimeError(CLOSED)
         args = self.args
         if resume_from_checkpoint is not None:
             if self.run is not None:
@@ -212,7 +208,7 @@ class ESTrainer:
             console.detach()
             if self._logger is not None:
                 self._logger.close()
-            self.close()
+            self._release_run()
             self.report_path = report_after_training(self.run_dir)
 
     def _train(self) -> dict[str, float]:
@@ -358,8 +354,17 @@ class ESTrainer:
                                    "with a smaller --alpha or --sigma") from None
 
     def close(self) -> None:
-        """Stop the reward sandbox workers (they restart if the trainer is used again) and release
-        the run directory."""
+        """Release all the trainer holds: its engine (a vLLM engine and its GPU memory, Ray actors and
+        their CPUs/GPUs), the reward sandbox workers and the run directory, e.g. before a notebook cell
+        builds another trainer that needs the same GPUs. Afterwards the trainer cannot train or evaluate."""
+        self._release_run()
+        if not self.closed:
+            self.closed = True
+            self.executor.close()
+
+    def _release_run(self) -> None:
+        """After train(): stop the reward sandbox workers (they restart if the trainer is used again)
+        and release the run directory; the engine stays, for evaluate() and save_model()."""
         self.rewards.close()
         if self.accuracy is not None:
             self.accuracy.close()
@@ -381,17 +386,8 @@ class ESTrainer:
         """Write the current weights and tokenizer (atomically), loadable with from_pretrained; for
         LoRA-ES the PEFT adapter (PeftModel.from_pretrained), or with `merged` the adapter merged into
         the base model (AutoModelForCausalLM.from_pretrained; esft.engines.lora.export_merged)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temporary_dir(path.parent, path.name)
-        try:
+        with directory_written_atomically(Path(path)) as tmp:
             if merged:
                 export_merged(self.engine, tmp, model_path(self.args, self._model), self.args.dtype)
             else:
                 self.engine.save_pretrained(tmp)
-            if path.exists():
-                shutil.rmtree(path)
-            tmp.rename(path)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise

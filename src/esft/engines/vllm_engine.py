@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from esft.child_processes import main_module_hidden
 from esft.engines.base import (
     Generation,
     NoTrainableParameters,
@@ -97,28 +98,31 @@ class VLLMEngine:
         served_rank = getattr(self, "adapter_rank", None) or (rank if noise in LOW_RANK_SCHEMES else None)
         lora = dict(enable_lora=True, max_loras=max_loras or 8, max_lora_rank=smallest_lora_rank(served_rank)) \
             if served_rank else {}
-        self.llm = LLM(
-            model=self.model_path,
-            dtype=dtype,
-            seed=seed,
-            tensor_parallel_size=tensor_parallel_size,
-            # Worker processes on this node (also inside a Ray actor, which already holds the GPUs
-            # Ray gave it: vLLM's Ray backend would ask the cluster for them again).
-            distributed_executor_backend="mp",
-            gpu_memory_utilization=gpu_memory_utilization,
-            max_model_len=max_model_len,
-            # A KV-cache block computed under one perturbation must never serve another member
-            # (or the unperturbed model): with prefix caching, members sharing the prompt batch
-            # would reuse the first member's cached prompt keys/values and all score alike.
-            enable_prefix_caching=False,
-            worker_extension_cls=EXTENSION,
-            # Ignore the checkpoint's generation_config.json (sampling defaults, penalties):
-            # ES rollouts are greedy, exactly as SamplingParams below says.
-            generation_config="vllm",
-            # CUDA graphs are fine (weights change in place, addresses stay); on CPU stay eager.
-            enforce_eager=not on_gpu,
-            **lora,
-        )
+        # vLLM starts its engine core process with spawn (always on CPU, on a GPU once CUDA is initialized):
+        # without this, an unguarded user script would run again in that process (esft.child_processes).
+        with main_module_hidden():
+            self.llm = LLM(
+                model=self.model_path,
+                dtype=dtype,
+                seed=seed,
+                tensor_parallel_size=tensor_parallel_size,
+                # Worker processes on this node (also inside a Ray actor, which already holds the GPUs
+                # Ray gave it: vLLM's Ray backend would ask the cluster for them again).
+                distributed_executor_backend="mp",
+                gpu_memory_utilization=gpu_memory_utilization,
+                max_model_len=max_model_len,
+                # A KV-cache block computed under one perturbation must never serve another member
+                # (or the unperturbed model): with prefix caching, members sharing the prompt batch
+                # would reuse the first member's cached prompt keys/values and all score alike.
+                enable_prefix_caching=False,
+                worker_extension_cls=EXTENSION,
+                # Ignore the checkpoint's generation_config.json (sampling defaults, penalties):
+                # ES rollouts are greedy, exactly as SamplingParams below says.
+                generation_config="vllm",
+                # CUDA graphs are fine (weights change in place, addresses stay); on CPU stay eager.
+                enforce_eager=not on_gpu,
+                **lora,
+            )
         summaries = self._rpc("esft_setup", self.hf_params, cpu_gemm)
         self._unmapped = set(summaries[0]["unmapped"])
         self.worker_allocator = summaries[0]["allocator"]

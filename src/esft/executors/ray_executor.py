@@ -18,7 +18,6 @@ iteration finishes with exactly the rewards of a failure-free run.
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -32,6 +31,7 @@ from esft.config import ConfigError, ESConfig, model_path
 from esft.engines.base import Generation, NonFiniteWeights, Sampling
 from esft.executors.local import MemberResult, resolve_population_batching
 from esft.executors.ray_actor import ESActor
+from esft.executors.ray_cluster import check_room, close_cluster, open_cluster
 
 log = logging.getLogger(__name__)
 
@@ -66,14 +66,13 @@ class RayExecutor:
 
     def __init__(self, args: ESConfig, task, model: str | None = None):
         self.args, self.task, self.model = args, task, model
-        self._started_ray = False
-        if not ray.is_initialized():
-            if args.ray_address:
-                join_cluster(args.ray_address)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=False,
-                         num_cpus=max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
-                self._started_ray = True
+        open_cluster(args)
+        self._on_cluster = True  # until close()
+        try:
+            check_room(args)
+        except ConfigError:
+            self.close()
+            raise
         self._actor_class = ray.remote(ESActor).options(
             num_cpus=args.ray_cpus_per_worker, num_gpus=args.ray_gpus_per_worker, max_restarts=0, max_task_retries=0
         )
@@ -275,15 +274,15 @@ class RayExecutor:
         return self._call_one("generate", list(prompts), mini_batch_size, sampling)
 
     def close(self) -> None:
-        """Stop the actors (and Ray, if this executor started it)."""
-        for slot in self.slots:
+        """Stop the actors, giving their CPUs/GPUs back (and the local Ray esft started, once no executor uses it)."""
+        for slot in getattr(self, "slots", []):
             try:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:
                 pass
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
+        if self._on_cluster:
+            self._on_cluster = False
+            close_cluster()
 
 
 class RayEngine:
@@ -362,33 +361,3 @@ class RayEngine:
 
     def close(self) -> None:
         self._executor.close()
-
-
-def join_cluster(address: str, connect_timeout: float = 5.0) -> None:
-    """ray.init(address=...) or one line (ConfigError, exit 2) naming the address and how to start a
-    cluster: a host:port that refuses connections is found out in seconds (Ray itself retries for
-    minutes, then raises with a traceback)."""
-    import socket
-    from urllib.parse import urlsplit
-
-    hint = ("start one with `ray start --head` (then --ray-address auto, or the address it prints), or leave "
-            "--ray-address out to start a local Ray instance")
-    if address not in ("auto", "local"):
-        parts = urlsplit(address if "://" in address else f"ray://{address}")
-        try:
-            port = parts.port
-        except ValueError:
-            port = None
-        if not parts.hostname or port is None:
-            raise ConfigError("ray_address", f"{address!r} is not host:port, ray://host:port or auto; {hint}")
-        try:
-            socket.create_connection((parts.hostname, port), timeout=connect_timeout).close()
-        except OSError as error:
-            raise ConfigError("ray_address", f"no Ray cluster answers at {address} ({error.strerror or error}); "
-                              f"{hint}") from None
-    try:
-        ray.init(address=address, log_to_driver=False)
-    except Exception as error:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
-        message = " ".join(str(error).split())[:300]
-        raise ConfigError("ray_address", f"cannot join the Ray cluster at {address} ({type(error).__name__}: "
-                          f"{message}); {hint}") from None

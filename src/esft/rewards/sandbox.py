@@ -37,7 +37,6 @@ import signal
 import sys
 import threading
 import time
-import types
 import weakref
 from collections import deque
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import wait
 from typing import Any
 
+from esft.child_processes import main_module_hidden
 from esft.rewards.containment import OutputTail, applicable_memory_mb, become_subreaper, kill_tree
 from esft.rewards.usercode import ByValue, describe, resolve, user_traceback, worker_sys_path
 
@@ -142,14 +142,11 @@ class _Worker:
         self.process = context.Process(target=_worker_main, daemon=True, name="esft-sandbox",
                                        args=(child, liveness, memory_mb, tuple(preload), worker_sys_path(),
                                              dict(os.environ)))
-        # Hide __main__ while starting: spawn/forkserver children would re-run the parent's main script
-        # (a notebook, stdin, an unguarded script). Workers never need it: user code arrives by value.
-        main = sys.modules.get("__main__")
-        sys.modules["__main__"] = types.ModuleType("__main__")
+        # Workers never need the parent's main program: user code arrives by value.
         try:
-            self.process.start()
+            with main_module_hidden():
+                self.process.start()
         finally:
-            sys.modules["__main__"] = main
             child.close()
         self.ready = False
         self.started = time.monotonic()

@@ -22,7 +22,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from esft.files import directory_digests, file_digest, make_temporary_dir, write_text_atomic
+from esft.files import directory_digests, directory_written_atomically, file_digest, write_text_atomic
 
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
@@ -40,25 +40,21 @@ def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master:
     """Write `directory` (e.g. run/checkpoint-10) atomically and return it. `state` gets the digests
     of the files written (`files`)."""
     directory = Path(directory)
-    tmp = make_temporary_dir(directory.parent, directory.name)
     try:
-        engine.save_pretrained(tmp)
-        if save_master or not list(tmp.glob("model*.safetensors")):  # an adapter: no model file is the master
-            from safetensors.torch import save_file
+        with directory_written_atomically(directory) as tmp:
+            engine.save_pretrained(tmp)
+            if save_master or not list(tmp.glob("model*.safetensors")):  # an adapter: no model file is the master
+                from safetensors.torch import save_file
 
-            save_file(engine.master_state(), str(tmp / MASTER_FILE))
-        if optimizer_state := engine.optimizer_state():  # adam's moments (sgd has none)
-            from safetensors.torch import save_file
+                save_file(engine.master_state(), str(tmp / MASTER_FILE))
+            if optimizer_state := engine.optimizer_state():  # adam's moments (sgd has none)
+                from safetensors.torch import save_file
 
-            (tmp / OPTIMIZER_FILE).parent.mkdir()
-            save_file(optimizer_state, str(tmp / OPTIMIZER_FILE))
-        state = {**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}
-        write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
+                (tmp / OPTIMIZER_FILE).parent.mkdir()
+                save_file(optimizer_state, str(tmp / OPTIMIZER_FILE))
+            state = {**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}
+            write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
     except BaseException as error:
-        shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(error, OSError) and (os_error := _os_error_in(error, directory)) is not None:
             raise os_error from error  # e.g. safetensors' "I/O error: No space left on device (os error 28)"
         raise

@@ -1,0 +1,108 @@
+"""The Ray cluster a run's actors live on: a local one that esft starts and stops, the one this process
+already runs, or one joined with --ray-address; and whether it has room for the actors before they are
+asked for (Ray would wait for room silently, forever: a notebook cell run again, whose earlier trainer
+still holds the CPUs/GPUs, would hang without a word)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+import ray
+
+from esft.config import ConfigError, ESConfig
+
+_local = {"started": False, "executors": 0}
+"""The local cluster esft started in this process, and how many executors use it: it stops with the last."""
+
+
+def open_cluster(args: ESConfig) -> None:
+    """Join --ray-address, use the Ray this process already runs, or start a local one sized for the run."""
+    if not ray.is_initialized():
+        _local.update(started=False, executors=0)  # stopped by someone else (ray.shutdown()) since
+        if args.ray_address:
+            join_cluster(args.ray_address)
+        else:
+            ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,  # not Ray's own lines
+                     num_cpus=max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
+            _local["started"] = True
+    if _local["started"]:
+        _local["executors"] += 1
+
+
+def close_cluster() -> None:
+    """An executor is done with the cluster; the local one esft started stops when no executor uses it."""
+    if _local["started"]:
+        _local["executors"] -= 1
+        if _local["executors"] <= 0:
+            ray.shutdown()
+            _local.update(started=False, executors=0)
+
+
+def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
+    """Before the actors are asked for: ConfigError (exit 2) if a local cluster cannot place them, one
+    warning line if a joined cluster cannot yet (other jobs may free room, an autoscaler may add nodes).
+    Waits up to `settle_seconds` for room that actors just killed (a trainer closed) are giving back; not
+    at all when the local cluster could never hold them."""
+    per_actor = {"CPU": args.ray_cpus_per_worker, "GPU": args.ray_gpus_per_worker}
+    need = {kind: amount * args.workers for kind, amount in per_actor.items() if amount > 0}
+    total = ray.cluster_resources()
+    never = any(total.get(kind, 0) < amount for kind, amount in need.items()) and not args.ray_address
+    deadline = time.monotonic() + (0 if never else settle_seconds)
+    while any((free := ray.available_resources()).get(kind, 0) < amount for kind, amount in need.items()):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.25)
+    else:
+        return
+    asked = (f"{args.workers} actors need {_amounts(need)} (--workers {args.workers} × --ray-cpus-per-worker "
+             f"{args.ray_cpus_per_worker:g}, --ray-gpus-per-worker {args.ray_gpus_per_worker:g})")
+    short = [kind for kind, amount in need.items() if free.get(kind, 0) < amount]
+    has = f"{_amounts({kind: free.get(kind, 0) for kind in short})} free of {_amounts({kind: total.get(kind, 0) for kind in short})}"
+    if never:
+        in_all = _amounts({kind: total.get(kind, 0) for kind, amount in need.items() if total.get(kind, 0) < amount})
+        raise ConfigError("workers", f"{asked}, but the local Ray cluster has {in_all} in all: lower --workers or the "
+                          "per-worker resources, or join a larger cluster with --ray-address")
+    if args.ray_address:
+        print(f"esft: Ray cannot place the actors yet: {asked}; the cluster at {args.ray_address} has {has}; they "
+              "start when other jobs free room or an autoscaler adds nodes", file=sys.stderr)
+        return
+    raise ConfigError("workers", f"{asked}, but the local Ray cluster has {has}: the rest is held by other actors of "
+                      "this process, e.g. another ESTrainer's (a notebook cell run again): call close() on that "
+                      "trainer first, or restart the kernel")
+
+
+def _amounts(resources: dict[str, float]) -> str:
+    return ", ".join(f"{amount:g} {kind}" for kind, amount in resources.items())
+
+
+def join_cluster(address: str, connect_timeout: float = 5.0) -> None:
+    """ray.init(address=...) or one line (ConfigError, exit 2) naming the address and how to start a
+    cluster: a host:port that refuses connections is found out in seconds (Ray itself retries for
+    minutes, then raises with a traceback)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    hint = ("start one with `ray start --head` (then --ray-address auto, or the address it prints), or leave "
+            "--ray-address out to start a local Ray instance")
+    if address not in ("auto", "local"):
+        parts = urlsplit(address if "://" in address else f"ray://{address}")
+        try:
+            port = parts.port
+        except ValueError:
+            port = None
+        if not parts.hostname or port is None:
+            raise ConfigError("ray_address", f"{address!r} is not host:port, ray://host:port or auto; {hint}")
+        try:
+            socket.create_connection((parts.hostname, port), timeout=connect_timeout).close()
+        except OSError as error:
+            raise ConfigError("ray_address", f"no Ray cluster answers at {address} ({error.strerror or error}); "
+                              f"{hint}") from None
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except Exception as error:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
+        message = " ".join(str(error).split())[:300]
+        raise ConfigError("ray_address", f"cannot join the Ray cluster at {address} ({type(error).__name__}: "
+                          f"{message}); {hint}") from None
