@@ -42,14 +42,16 @@ def close_cluster() -> None:
 
 
 def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
-    """Before the actors are asked for: ConfigError (exit 2) if a local cluster cannot place them, one
-    warning line if a joined cluster cannot yet (other jobs may free room, an autoscaler may add nodes).
-    Waits up to `settle_seconds` for room that actors just killed (a trainer closed) are giving back; not
-    at all when the local cluster could never hold them."""
+    """Before the actors are asked for: ConfigError (exit 2) if the local cluster esft started cannot
+    place them (only this process uses it: nothing else will free room), one warning line if any other
+    cluster cannot yet (other jobs may free room, an autoscaler may add nodes). Waits up to
+    `settle_seconds` for room that actors just killed (a trainer closed) are giving back; not at all
+    when the local cluster could never hold them."""
     per_actor = {"CPU": args.ray_cpus_per_worker, "GPU": args.ray_gpus_per_worker}
     need = {kind: amount * args.workers for kind, amount in per_actor.items() if amount > 0}
     total = ray.cluster_resources()
-    never = any(total.get(kind, 0) < amount for kind, amount in need.items()) and not args.ray_address
+    local = _local["started"]
+    never = local and any(total.get(kind, 0) < amount for kind, amount in need.items())
     deadline = time.monotonic() + (0 if never else settle_seconds)
     while any((free := ray.available_resources()).get(kind, 0) < amount for kind, amount in need.items()):
         if time.monotonic() >= deadline:
@@ -65,9 +67,10 @@ def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
         in_all = _amounts({kind: total.get(kind, 0) for kind, amount in need.items() if total.get(kind, 0) < amount})
         raise ConfigError("workers", f"{asked}, but the local Ray cluster has {in_all} in all: lower --workers or the "
                           "per-worker resources, or join a larger cluster with --ray-address")
-    if args.ray_address:
-        print(f"esft: Ray cannot place the actors yet: {asked}; the cluster at {args.ray_address} has {has}; they "
-              "start when other jobs free room or an autoscaler adds nodes", file=sys.stderr)
+    if not local:
+        print(f"esft: Ray cannot place the actors yet: {asked}; the cluster at "
+              f"{args.ray_address or ray.get_runtime_context().gcs_address} has {has}; they start when other jobs "
+              "free room or an autoscaler adds nodes", file=sys.stderr)
         return
     raise ConfigError("workers", f"{asked}, but the local Ray cluster has {has}: the rest is held by other actors of "
                       "this process, e.g. another ESTrainer's (a notebook cell run again): call close() on that "
