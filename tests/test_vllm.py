@@ -5,9 +5,13 @@ whole test session (starting one takes ~20 s); each test leaves it at the base w
 from __future__ import annotations
 
 import json
+import os
 import platform
+import shutil
 import subprocess
 import sys
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -274,8 +278,11 @@ trainer = ESTrainer(model=MODEL, reward_funcs=[reward_len], train_dataset=rows,
 trainer.train()
 print("trained", flush=True)
 trainer.close()  # stops vLLM's engine core (its memory, a GPU's on a GPU) and the reward workers
-import multiprocessing
+import multiprocessing, os, stat, tempfile
 print("children after close:", len(multiprocessing.active_children()), flush=True)
+sockets = [os.path.join(folder, name) for folder, _, names in os.walk(tempfile.gettempdir()) for name in names
+           if stat.S_ISSOCK(os.lstat(os.path.join(folder, name)).st_mode)]
+print("sockets after close:", [path for path in sockets if "/pymp-" not in path], flush=True)  # not multiprocessing's
 """
 
 
@@ -284,15 +291,43 @@ def test_an_unguarded_user_script_trains_on_vllm_and_runs_once(vllm_model_dir, t
     """vLLM starts its engine core with spawn, which imports the parent's main script again: a script
     without a __main__ guard used to run a second time in that process and die there ("bootstrapping
     phase"), the run ending in "Engine core initialization failed". Its own engine: ~30 s. close()
-    leaves no child process behind."""
+    leaves no child process behind, and none of the socket files vLLM leaves in the temporary
+    directory (7 per engine before)."""
     script = tmp_path / "train.py"
     script.write_text(f"MODEL = {str(vllm_model_dir)!r}\n{UNGUARDED_SCRIPT}")
-    env = subprocess_env()
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=300)
+    own_tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # only this run's files; short, as socket paths must be
+    env = {**subprocess_env(), "TMPDIR": own_tmp}
+    try:
+        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)
+        left = [name for _, _, names in os.walk(own_tmp) for name in names]
+    finally:
+        shutil.rmtree(own_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("top level of the user's script") == 1 and "trained" in proc.stdout
-    assert "children after close: 0" in proc.stdout
+    assert "children after close: 0" in proc.stdout and "sockets after close: []" in proc.stdout
+    assert left == [], left  # after exit: multiprocessing's own files are gone too
     rows = [json.loads(line) for line in (tmp_path / "runs" / "script" / "metrics.jsonl").read_text().splitlines()]
     assert [row["iteration"] for row in rows] == [0, 1] and rows[1]["rewards/reward_len/failures"] == 0
     AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "script" / "final")
+
+
+def test_socket_directories_fit_a_socket_path_under_a_long_temporary_directory(tmp_path, monkeypatch):
+    """vLLM binds <VLLM_RPC_BASE_PATH>/<uuid4>: a directory of the engine's own under a long TMPDIR (as on
+    macOS, or pytest's) would make that path too long to bind, so it goes under /tmp instead."""
+    from esft.child_processes import SOCKET_PATH_MAX, new_socket_directory
+
+    long_tmp = tmp_path / ("d" * 60)
+    long_tmp.mkdir()
+    short_tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")
+    made = []
+    try:
+        for base, expected_parent in ((str(long_tmp), "/tmp"), (short_tmp, short_tmp)):
+            monkeypatch.setattr(tempfile, "tempdir", base)
+            made.append(new_socket_directory())
+            assert os.path.dirname(made[-1]) == expected_parent and os.listdir(made[-1]) == []
+            assert len(os.path.join(made[-1], str(uuid.uuid4()))) <= SOCKET_PATH_MAX < len(os.path.join(
+                long_tmp, "esft-12345678", str(uuid.uuid4())))
+    finally:
+        for directory in [*made, short_tmp]:
+            shutil.rmtree(directory, ignore_errors=True)

@@ -1,8 +1,10 @@
-"""Starting child processes without re-running the user's main program."""
+"""Starting child processes without re-running the user's main program or leaving their socket files behind."""
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,3 +24,33 @@ def main_module_hidden() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = main
+
+
+@contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """While open, os.environ also holds `values`, so that child processes started meanwhile inherit
+    them; afterwards each variable is as it was (set to its old value, or unset)."""
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+SOCKET_PATH_MAX = 103
+"""The longest path a Unix socket can be bound to everywhere (sun_path: 108 bytes on Linux, 104 on macOS)."""
+
+
+def new_socket_directory(name_length: int = 36) -> str | None:
+    """A new, empty directory for socket files named with `name_length` characters (vLLM: a uuid4), under
+    the temporary directory, or under /tmp where that path would be too long to bind (a long TMPDIR, as
+    on macOS); None if neither fits."""
+    for base in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+        if len(os.path.join(base, "esft-12345678", "x" * name_length)) <= SOCKET_PATH_MAX and os.path.isdir(base):
+            return tempfile.mkdtemp(prefix="esft-", dir=base)
+    return None

@@ -19,14 +19,17 @@ original HF model, which is loaded on this process only while saving.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 import re
+import shutil
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from esft.child_processes import main_module_hidden
+from esft.child_processes import environment, main_module_hidden, new_socket_directory
 from esft.engines.base import (
     Generation,
     NoTrainableParameters,
@@ -100,7 +103,8 @@ class VLLMEngine:
             if served_rank else {}
         # vLLM starts its engine core process with spawn (always on CPU, on a GPU once CUDA is initialized):
         # without this, an unguarded user script would run again in that process (esft.child_processes).
-        with main_module_hidden():
+        children = set(multiprocessing.active_children())
+        with main_module_hidden(), environment(**self._socket_environment()):
             self.llm = LLM(
                 model=self.model_path,
                 dtype=dtype,
@@ -123,6 +127,7 @@ class VLLMEngine:
                 enforce_eager=not on_gpu,
                 **lora,
             )
+        self._processes = [child for child in multiprocessing.active_children() if child not in children]
         summaries = self._rpc("esft_setup", self.hf_params, cpu_gemm)
         self._unmapped = set(summaries[0]["unmapped"])
         self.worker_allocator = summaries[0]["allocator"]
@@ -353,8 +358,18 @@ class VLLMEngine:
         self.tokenizer.save_pretrained(path)
         del model
 
+    def _socket_environment(self) -> dict[str, str]:
+        """Where vLLM's processes put their zmq socket files: vLLM leaves them behind (7 per engine in
+        the temporary directory, shut down or not), so each engine gets a directory of its own, removed
+        by close() or at exit. A VLLM_RPC_BASE_PATH of the user's is kept as it is."""
+        if os.environ.get("VLLM_RPC_BASE_PATH") or (directory := new_socket_directory()) is None:
+            return {}
+        self._remove_sockets = weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
+        return {"VLLM_RPC_BASE_PATH": directory}
+
     def close(self) -> None:
-        """Stop the vLLM engine (its core and worker processes)."""
+        """Stop the vLLM engine, returning once its core and worker processes have exited (their memory is
+        free), and remove its socket files."""
         llm = getattr(self, "llm", None)
         if llm is not None:
             engine = getattr(llm, "llm_engine", None)
@@ -362,6 +377,10 @@ class VLLMEngine:
             if shutdown is not None:
                 shutdown()
             self.llm = None
+        for process in getattr(self, "_processes", []):  # vLLM may SIGKILL its engine core and not wait for it
+            process.join(timeout=30)
+        if getattr(self, "_remove_sockets", None) is not None:
+            self._remove_sockets()
 
 
 def _eos_ids(model_path: str, tokenizer) -> list[int]:
