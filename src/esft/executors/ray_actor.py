@@ -60,6 +60,15 @@ class ESActor:
         self._local = LocalExecutor(self.engine, self.rewards.score, self.args.sigma,
                                     population_batching=population_batching)
 
+    def close(self) -> None:
+        """Stop the engine (a vLLM engine's processes and socket files) and the reward workers, then end
+        this actor's process as a normal exit does (multiprocessing removes its files): killed, it leaves
+        them in the temporary directory."""
+        self.engine.close()
+        if self.task is not None:
+            self.rewards.close()
+        ray.actor.exit_actor()
+
     def startup_notes(self) -> list[str]:
         """The `esft: ...` lines the engine printed while it was built."""
         return list(self._notes)

@@ -17,6 +17,7 @@ iteration finishes with exactly the rewards of a failure-free run.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import sys
 from collections import deque
@@ -68,6 +69,7 @@ class RayExecutor:
         self.args, self.task, self.model = args, task, model
         open_cluster(args)
         self._on_cluster = True  # until close()
+        atexit.register(self.close)  # before Ray's own exit handler kills the actors (registered earlier, runs later)
         try:
             check_room(args)
         except ConfigError:
@@ -274,8 +276,16 @@ class RayExecutor:
         return self._call_one("generate", list(prompts), mini_batch_size, sampling)
 
     def close(self) -> None:
-        """Stop the actors, giving their CPUs/GPUs back (and the local Ray esft started, once no executor uses it)."""
-        for slot in getattr(self, "slots", []):
+        """Stop the actors, giving their CPUs/GPUs back (and the local Ray esft started, once no executor uses it).
+        Each actor first stops its engine, for ~10 s at most (a busy one is killed): killed outright, a vLLM
+        engine leaves its socket files and a zombie worker behind."""
+        atexit.unregister(self.close)
+        slots = getattr(self, "slots", []) if self._on_cluster else []
+        try:
+            ray.wait(closing := [slot.actor.close.remote() for slot in slots], num_returns=len(closing), timeout=10)
+        except Exception:  # noqa: BLE001 - Ray already shut down by the user: the actors are gone with it
+            pass
+        for slot in slots:
             try:
                 ray.kill(slot.actor, no_restart=True)
             except Exception:
