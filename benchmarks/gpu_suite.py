@@ -159,13 +159,13 @@ def summarise(args, size: int, described: str, seconds: dict, peak: dict, rows: 
 
 def run_demo(args) -> dict:
     """The demo end to end (`esft train` on the embedded model, its preset) in bf16 on the device."""
-    out = Path(tempfile.mkdtemp(prefix="esft-gpu-demo-"))
-    command = [sys.executable, "-m", "esft.cli", "train", "--dtype", args.dtype, "--device", args.device,
-               "--output-dir", str(out), "--run-name", "demo", "--no-progress"]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    started = time.perf_counter()
-    proc = subprocess.run(command, capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - started
+    with tempfile.TemporaryDirectory(prefix="esft-gpu-demo-") as out:  # only its printed figures are kept
+        command = [sys.executable, "-m", "esft.cli", "train", "--dtype", args.dtype, "--device", args.device,
+                   "--output-dir", out, "--run-name", "demo", "--no-progress"]
+        started = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - started
     found = re.search(r"accuracy: ([\d.]+)% \(before training ([\d.]+)%", proc.stdout)
     return {"command": "esft train --dtype " + args.dtype + " --device " + args.device, "exit": proc.returncode,
             "wall_seconds": wall, "accuracy_after": float(found.group(1)) if found else None,

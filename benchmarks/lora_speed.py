@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from throughput_tools import build_model  # noqa: E402
+from throughput_tools import build_model, scratch_directory  # noqa: E402
 
 PATHS = {  # label: (LoRA?, noise, population batching)
     "full, sequential iid": (False, "iid", False),
@@ -36,7 +35,7 @@ def build(lora: bool, args):
     from esft.engines.lora import lora_engine
     from esft.engines.transformers_engine import TransformersEngine
 
-    model, tokenizer, _ = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-lora-speed-")))
+    model, tokenizer, _ = build_model(args.model, scratch_directory("esft-lora-speed-"))
     options = {"trainable": None, "noise": "iid", "max_tokens": args.max_tokens, "mini_batch_size": None}
     if lora:
         return lora_engine(ESConfig(lora_r=4, device="cpu"), model, tokenizer, options)

@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from throughput_tools import build_model, cpu_description, format_ratio, load_average, ratio_summary  # noqa: E402
+from throughput_tools import (build_model, cpu_description, format_ratio, load_average, ratio_summary,  # noqa: E402
+                              scratch_directory)
 
 PHASES = ("prefill", "all rows", "after drops", "rest")
 
@@ -108,7 +108,7 @@ def main() -> None:
     from esft.tasks.countdown_task import make_countdown_task
 
     allocator = steady_allocator()
-    model, tokenizer, description = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-gap-")))
+    model, tokenizer, description = build_model(args.model, scratch_directory("esft-gap-"))
     engine = TransformersEngine(model, tokenizer, noise="lowrank", rank=1, max_tokens=args.max_tokens)
     prompts = prompt_batch(make_countdown_task(seed=0, difficulty="easy").train_dataset, 0, args.batch, 0).prompts
     seeds = strategy.ask(strategy.ESState(0, 0), args.population)

@@ -23,13 +23,14 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))  # the tests' byte-level tokenizer
+
+from throughput_tools import scratch_directory  # noqa: E402
 
 
 def build_model(path: Path, hidden: int, layers: int) -> Path:
@@ -85,7 +86,7 @@ def main() -> None:
     from esft.rewards.models import RewardModel
     from esft.rewards import remote_reward
 
-    directory = build_model(Path(tempfile.mkdtemp(prefix="esft-rm-bench-")), args.hidden_size, args.layers)
+    directory = build_model(scratch_directory("esft-rm-bench-"), args.hidden_size, args.layers)
     prompts, texts = completions(args.completions)
     local = RewardModel(str(directory), device="cpu", batch_size=args.request_size)
 

@@ -48,7 +48,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -59,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_memory import memory_probe, memory_report  # noqa: E402
 from throughput_tools import (MB, Instrumented, RSSSampler, Timings, build_model, format_ratio, kv_cache_bytes,  # noqa: E402
-                              cpu_description, load_average, now, ratio_summary, round_in_fresh_process)
+                              cpu_description, load_average, now, ratio_summary, round_in_fresh_process,
+                              scratch_directory)
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 
 # --------------------------------------------------------------------- setup
@@ -84,7 +84,7 @@ class Bench:
 
         self.args = args
         self.rss_libraries = sampler.rss()
-        model, tokenizer, self.description = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-bench-")))
+        model, tokenizer, self.description = build_model(args.model, scratch_directory("esft-bench-"))
         self.model = model
         self.engine = engine = te.TransformersEngine(model, tokenizer, noise="iid", max_tokens=args.max_tokens)
         if not args.natural_lengths:

@@ -3,8 +3,10 @@ the benchmark's models, and the instrumentation that times each phase of the ES 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,6 +56,13 @@ MB = 2**20
 
 
 # -------------------------------------------------------------------- model
+def scratch_directory(prefix: str) -> Path:
+    """A new temporary directory, removed when the script exits (a model a benchmark builds and saves)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 def build_model(name: str, tmp: Path):
     """(model, tokenizer, description) for 'embedded', '30m', 'qwen2-0.5b' or a model directory."""
     import torch

@@ -48,7 +48,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -57,7 +56,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from throughput_tools import (build_model, cpu_description, format_ratio, load_average, ratio_summary,  # noqa: E402
-                              round_in_fresh_process)
+                              round_in_fresh_process, scratch_directory)
 
 from esft.allocator import steady_allocator  # noqa: E402  (what esft train sets: the same process conditions)
 from esft.files import write_text_atomic  # noqa: E402
@@ -183,7 +182,7 @@ def build_runners(args, paths) -> tuple[dict, str]:
 
     runners = {}
     for name in paths:
-        model, tokenizer, described = build_model(args.model, Path(tempfile.mkdtemp(prefix="esft-bench-")))
+        model, tokenizer, described = build_model(args.model, scratch_directory("esft-bench-"))
         model = model.to(device=args.device, dtype=getattr(torch, args.dtype))
         if name == "reference":
             runners[name] = ReferenceLoop(model, tokenizer, args.sigma, args.sigma / 2, args.max_tokens)
