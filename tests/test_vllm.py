@@ -286,8 +286,17 @@ print("sockets after close:", [path for path in sockets if "/pymp-" not in path]
 """
 
 
+@pytest.fixture
+def short_tmp() -> str:
+    """A temporary directory of the test's own, for a run's TMPDIR: its path is short, as Unix socket paths
+    must stay under ~104 characters (pytest's tmp_path is too long); removed afterwards."""
+    path = tempfile.mkdtemp(prefix="t", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_an_unguarded_user_script_trains_on_vllm_and_runs_once(vllm_model_dir, tmp_path):
+def test_an_unguarded_user_script_trains_on_vllm_and_runs_once(vllm_model_dir, tmp_path, short_tmp):
     """vLLM starts its engine core with spawn, which imports the parent's main script again: a script
     without a __main__ guard used to run a second time in that process and die there ("bootstrapping
     phase"), the run ending in "Engine core initialization failed". Its own engine: ~30 s. close()
@@ -295,14 +304,10 @@ def test_an_unguarded_user_script_trains_on_vllm_and_runs_once(vllm_model_dir, t
     directory (7 per engine before)."""
     script = tmp_path / "train.py"
     script.write_text(f"MODEL = {str(vllm_model_dir)!r}\n{UNGUARDED_SCRIPT}")
-    own_tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # only this run's files; short, as socket paths must be
-    env = {**subprocess_env(), "TMPDIR": own_tmp}
-    try:
-        proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                              timeout=300)
-        left = [name for _, _, names in os.walk(own_tmp) for name in names]
-    finally:
-        shutil.rmtree(own_tmp, ignore_errors=True)
+    env = {**subprocess_env(), "TMPDIR": short_tmp}  # only this run's files
+    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    left = [name for _, _, names in os.walk(short_tmp) for name in names]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("top level of the user's script") == 1 and "trained" in proc.stdout
     assert "children after close: 0" in proc.stdout and "sockets after close: []" in proc.stdout
@@ -312,14 +317,13 @@ def test_an_unguarded_user_script_trains_on_vllm_and_runs_once(vllm_model_dir, t
     AutoModelForCausalLM.from_pretrained(tmp_path / "runs" / "script" / "final")
 
 
-def test_socket_directories_fit_a_socket_path_under_a_long_temporary_directory(tmp_path, monkeypatch):
+def test_socket_directories_fit_a_socket_path_under_a_long_temporary_directory(tmp_path, short_tmp, monkeypatch):
     """vLLM binds <VLLM_RPC_BASE_PATH>/<uuid4>: a directory of the engine's own under a long TMPDIR (as on
     macOS, or pytest's) would make that path too long to bind, so it goes under /tmp instead."""
     from esft.child_processes import SOCKET_PATH_MAX, new_socket_directory
 
     long_tmp = tmp_path / ("d" * 60)
     long_tmp.mkdir()
-    short_tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")
     made = []
     try:
         for base, expected_parent in ((str(long_tmp), "/tmp"), (short_tmp, short_tmp)):
@@ -329,5 +333,5 @@ def test_socket_directories_fit_a_socket_path_under_a_long_temporary_directory(t
             assert len(os.path.join(made[-1], str(uuid.uuid4()))) <= SOCKET_PATH_MAX < len(os.path.join(
                 long_tmp, "esft-12345678", str(uuid.uuid4())))
     finally:
-        for directory in [*made, short_tmp]:
+        for directory in made:
             shutil.rmtree(directory, ignore_errors=True)

