@@ -25,8 +25,9 @@ ES keeps a broader output distribution and a higher pass@k), and the weight dist
 and the per-token KL(run || base) on 200 held-out prompts with completions sampled from the run at
 temperature 1 ("Matching Accuracy, Different Geometry" says ES moves the weights further).
 
-Writes <out>.json, <out>.md (the tables, headed by the command) and <out>.png (accuracy vs
-completions, mean ± std over seeds), out = benchmarks/es_variants.
+Writes <out>.json (every number; out = benchmarks/es_variants), --plot (accuracy vs completions, mean ± std
+over seeds; default docs/images/es_variants.png, the picture the docs show) and the tables, headed by the
+command, printed and written to <runs>/es_variants.md; the published figures are in docs/benchmarks.md.
 
     OMP_NUM_THREADS=1 python benchmarks/es_variants.py [--budget 9600] [--seeds 0,1,2] [--methods ...]
 """
@@ -171,7 +172,9 @@ def main() -> None:
     parser.add_argument("--methods", default=",".join([*SINGLE, "combined", "grpo"]))
     parser.add_argument("--adam-alphas", default="3e-5,1e-4,3e-4", help="--alpha values of the adam variant swept on the first seed")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/es_variants"))
-    parser.add_argument("--out", type=Path, default=HERE / "es_variants")
+    parser.add_argument("--out", type=Path, default=HERE / "es_variants", help="<out>.json: every number")
+    parser.add_argument("--plot", type=Path, default=HERE.parent / "docs" / "images" / "es_variants.png",
+                        help="the picture (default: the one docs/ shows)")
     parser.add_argument("--no-after", action="store_true", help="skip pass@k and the weight geometry")
     options = parser.parse_args()
     seeds, methods = [int(s) for s in options.seeds.split(",")], options.methods.split(",")
@@ -197,7 +200,7 @@ def main() -> None:
     if not options.no_after and any(r["method"] == "grpo" for r in results):
         best_es = "combined" if len(combined) > 1 and "combined" in methods else max(
             (m for m in SINGLE if any(r["method"] == m for r in results)), key=lambda m: score(results, m))
-        from esft.config import embedded_model_path
+        from esft.settings.config import embedded_model_path
 
         base = embedded_model_path()
         for seed in seeds:
@@ -232,8 +235,10 @@ def report(options, command_line: str, results: list[dict], combined: list[str],
                  "| model | " + " | ".join(keys) + " |", "| --- |" + " --- |" * len(keys)]
         for name, rows in after.items():
             text.append(f"| {TITLES.get(name, name)} | " + " | ".join(cell([row.get(k) for row in rows], k) for k in keys) + " |")
-    out.with_suffix(".md").write_text("\n".join(text) + "\n")
-    plot(results, out.with_suffix(".png"))
+    options.runs.mkdir(parents=True, exist_ok=True)
+    (options.runs / "es_variants.md").write_text("\n".join(text) + "\n")
+    options.plot.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, options.plot)
     print("\n".join(text), flush=True)
 
 

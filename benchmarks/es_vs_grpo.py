@@ -14,11 +14,12 @@ of the budget (GRPO: every eighth) and at the end:
 - grpo-lr<LR>    the same with --learning-rate LR: the sweep, seed 0 only; the LR with the best held-out
                  accuracy at the budget (a tie: the first in --lrs) is then run with every seed as grpo-best
 
-Writes <out>.md (the tables), <out>.png (held-out accuracy vs completions and vs training seconds,
-mean ± std over seeds, one line per method) and <out>.json (every number), out = benchmarks/es_vs_grpo.
-Runs live in --runs (default /tmp/es_vs_grpo), named after the configuration, budget and seed; a
-run that finished is not run again, so an interrupted benchmark continues where it stopped. The
-report is rewritten after every seed; --report-only redraws it from <out>.json.
+Writes <out>.json (every number; out = benchmarks/es_vs_grpo), --plot (held-out accuracy vs completions
+and vs training seconds, mean ± std over seeds, one line per method; default docs/images/es_vs_grpo.png,
+the picture the docs show) and the tables, printed and written to <runs>/es_vs_grpo.md; the published
+figures are in docs/benchmarks.md. Runs live in --runs (default /tmp/es_vs_grpo), named after the
+configuration, budget and seed; a run that finished is not run again, so an interrupted benchmark continues
+where it stopped. The report is rewritten after every seed; --report-only redraws it from <out>.json.
 
     OMP_NUM_THREADS=1 python benchmarks/es_vs_grpo.py [--budget 3840] [--seeds 0,1,2] [--lrs 3e-7,1e-6,3e-6]
 """
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PLOT = HERE.parent / "docs" / "images" / "es_vs_grpo.png"
 ES_COMPLETIONS_PER_ITERATION = 30 * 32  # the demo: population x prompts
 GRPO_COMPLETIONS_PER_STEP = 8  # TRL's per_device_train_batch_size
 TRL_LEARNING_RATE = 1e-6  # TRL's default: grpo-default is the sweep's run of it
@@ -173,13 +175,14 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--lrs", default="3e-7,1e-6,3e-6", help="GRPO learning rates swept on the first seed")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/es_vs_grpo"))
-    parser.add_argument("--out", type=Path, default=HERE / "es_vs_grpo")
+    parser.add_argument("--out", type=Path, default=HERE / "es_vs_grpo", help="<out>.json: every number")
+    parser.add_argument("--plot", type=Path, default=PLOT, help="the picture (default: the one docs/ shows)")
     parser.add_argument("--report-only", action="store_true", help="redraw the table and plot from finished runs")
     options = parser.parse_args()
     seeds, lrs = [int(s) for s in options.seeds.split(",")], [float(x) for x in options.lrs.split(",")]
     if options.report_only:
         saved = json.loads(options.out.with_suffix(".json").read_text())
-        report(options.out, saved["budget"], saved["results"], saved["sweep"], saved["best_lr"], saved["command"])
+        report(options, saved["budget"], saved["results"], saved["sweep"], saved["best_lr"], saved["command"])
         return
     command_line = "OMP_NUM_THREADS=1 python benchmarks/es_vs_grpo.py " + " ".join(sys.argv[1:])
     options.runs.mkdir(parents=True, exist_ok=True)
@@ -190,16 +193,18 @@ def main() -> None:
         results += [measure(name, seed, options.budget, options.runs) for name in ("es-demo", "es-iid")]
         results += [measure(name, seed, options.budget, options.runs, lr)
                     for name, lr in (("grpo-default", TRL_LEARNING_RATE), ("grpo-best", best_lr))]
-        report(options.out, options.budget, results, sweep, best_lr, command_line)
+        report(options, options.budget, results, sweep, best_lr, command_line)
 
 
-def report(out: Path, budget: int, results: list[dict], sweep: list[dict], best_lr: float, command_line: str) -> None:
-    """<out>.json (every number), <out>.md (the tables, headed by the command) and <out>.png."""
-    out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": budget, "best_lr": best_lr,
-                                                    "results": results, "sweep": sweep}, indent=1))
+def report(options, budget: int, results: list[dict], sweep: list[dict], best_lr: float, command_line: str) -> None:
+    """<out>.json (every number), <runs>/es_vs_grpo.md (the tables, headed by the command) and the plot."""
+    options.out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": budget, "best_lr": best_lr,
+                                                            "results": results, "sweep": sweep}, indent=1))
     text = f"Command: `{command_line}` (budget: {budget:,} training completions per run)\n\n" + tables(results, sweep, budget, best_lr)
-    out.with_suffix(".md").write_text(text)
-    plot(results, out.with_suffix(".png"))
+    options.runs.mkdir(parents=True, exist_ok=True)
+    (options.runs / "es_vs_grpo.md").write_text(text)
+    options.plot.parent.mkdir(parents=True, exist_ok=True)
+    plot(results, options.plot)
     print(text, flush=True)
 
 if __name__ == "__main__":

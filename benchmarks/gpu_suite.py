@@ -22,7 +22,7 @@ of the model stay resident, so it includes the other paths' weights: read the di
 Then `esft train --dtype bfloat16 --device cuda` (the demo: embedded model, its preset) runs as a
 subprocess and its wall time and accuracies are recorded.
 
-Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for benchmarks/RESULTS.md) after every timed round,
+Writes OUT/gpu_suite.json and OUT/gpu_suite.md (the table for docs/benchmarks.md) after every timed round,
 so a run cut short (a device lease ending, a time limit) keeps the rounds it finished and its table says so.
 
     python benchmarks/gpu_suite.py --out /tmp/gpu                  # one H100: about 14 minutes (--budget-minutes)
@@ -32,7 +32,7 @@ so a run cut short (a device lease ending, a time limit) keeps the rounds it fin
 
 The one-member-at-a-time paths take most of the time: the paper's loop ran 41-48 s per iteration on one H100 and
 67-75 s on two others (launch-bound: it follows the host's CPU), esft's sequential path 59-61 s on the last, the
-batched paths 2-9 s (benchmarks/RESULTS.md). So the whole default run would take well over 15 minutes; instead it
+batched paths 2-9 s (docs/benchmarks.md). So the whole default run would take well over 15 minutes; instead it
 keeps to --budget-minutes (default 14): each prompt size gets an equal share of the time left, and a timed round
 that would end after its share is not started, which the table says ("only k of 3 timed rounds: the next would have
 ended after ..."). On the H100s seen so far that leaves about 2 timed rounds per size with all five paths; leave out
@@ -61,7 +61,7 @@ from vs_reference import PATHS, build_runners, refuse_unknown_paths  # noqa: E40
 
 from esft.files import write_text_atomic  # noqa: E402
 
-DEMO_RESERVE_S = 90  # the demo's share of --budget-minutes: it took 57 s on an H100 (benchmarks/RESULTS.md)
+DEMO_RESERVE_S = 90  # the demo's share of --budget-minutes: it took 57 s on an H100 (docs/benchmarks.md)
 
 
 def rows_per_call(name: str, runner, prompts: list[str], population: int) -> str:

@@ -40,7 +40,7 @@ def measure(path: str, model_name: str, lora_r: int, population: int) -> dict:
     """Build one engine (in this process) and count its ES state."""
     import torch
 
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.engines.lora import lora_engine
     from esft.engines.population import _population_class
     from esft.engines.transformers_engine import TransformersEngine

@@ -31,7 +31,7 @@ PATHS = {  # label: (LoRA?, noise, population batching)
 
 
 def build(lora: bool, args):
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.engines.lora import lora_engine
     from esft.engines.transformers_engine import TransformersEngine
 

@@ -20,7 +20,7 @@ import torch
 
 from esft.es import strategy
 from esft.es.batches import prompt_batch
-from esft.config import embedded_model_path
+from esft.settings.config import embedded_model_path
 from esft.engines.population import generate_population
 from esft.engines.transformers_engine import TransformersEngine
 from esft.tasks.countdown_task import make_countdown_task

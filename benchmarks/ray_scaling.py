@@ -63,7 +63,7 @@ def main() -> None:
     import ray
 
     from esft.es import strategy
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.executors.ray_executor import RayExecutor
     from esft.tasks.base import Task
     from esft.es.batches import prompt_batch

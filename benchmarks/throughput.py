@@ -32,12 +32,12 @@ what differs between processes, as between two runs (--no-round-processes: every
 Timing runs with glibc's malloc set as `esft train` sets it (esft.allocator; --default-allocator to skip), the
 memory probes with the defaults. Before 2026-11-25 the "batched-lowrank" path silently timed full-rank
 batching (the engine kept the population hooks of the noise it was built with): figures of
-2026-11-23/24 in RESULTS.md are of that path.
+2026-11-23/24 (git history of benchmarks/RESULTS.md) are of that path.
 
     python benchmarks/throughput.py --threads 1 --natural-lengths --limit-rows 240,960 --memory ""      # 5 rounds
     python benchmarks/throughput.py --model 30m --threads 1 --batch 16 --max-tokens 32 \
         --limit-rows 240 --paths seq-iid,batched-lowrank --memory ""
-(the runs recorded in benchmarks/RESULTS.md)
+(the runs recorded in docs/benchmarks.md)
 """
 
 from __future__ import annotations

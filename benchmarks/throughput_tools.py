@@ -68,7 +68,7 @@ def build_model(name: str, tmp: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from esft.config import embedded_model_path
+    from esft.settings.config import embedded_model_path
 
     if name in ("embedded", "30m"):
         path = embedded_model_path()
@@ -177,7 +177,7 @@ class Instrumented:
 # ----------------------------------------------------------------- machine
 def cpu_description() -> str:
     """The CPU's model name and last-level cache: virtual machines of one name ran this project's decoder at
-    7,100 and 14,000 tokens per CPU-second (2026-11-25, benchmarks/RESULTS.md), with other ratios; the
+    7,100 and 14,000 tokens per CPU-second (2026-11-25, docs/benchmarks.md), with other ratios; the
     cache size tells the hosts apart."""
     import platform
 

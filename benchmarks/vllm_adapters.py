@@ -9,7 +9,7 @@ evaluating the same members × prompts rows, rounds alternating:
   gave the same completions.
 
 Also the agreement of the adapter members' completions with the transformers engine's low-rank
-population path (same seeds), as in vllm_agreement.py.
+population path (same seeds), as tests/test_vllm_lowrank.py checks at a smaller scale.
 
     OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --model embedded --prompts 32 --population 30 --rounds 3
     OMP_NUM_THREADS=2 python benchmarks/vllm_adapters.py --prompts 32 --population 30 --rounds 5 --max-tokens 32 --reference-lora-ops
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def model_directory(name: str, tmp: Path) -> str:
     """A directory vLLM loads: the embedded model's, benchmarks/throughput.py's '30m' model saved
     under `tmp` (random weights from a config, the embedded model's tokenizer), or `name` itself."""
-    from esft.config import embedded_model_path
+    from esft.settings.config import embedded_model_path
 
     if name == "embedded":
         return str(embedded_model_path())

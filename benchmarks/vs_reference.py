@@ -16,7 +16,7 @@ update) on a TransformersEngine, all with --mini-batch-size auto:
               perturbation, no update: no exact ES path can beat it. Its column, limit / path, is each
               path's fraction of it, taken round by round like the ratio: the figure that carries from one
               host to another, where reference / path moves with the host's speed for one-member calls
-              (benchmarks/RESULTS.md, "A fresh VM, F")
+              (docs/benchmarks.md, "A fresh VM, F")
 Same model, prompts (Countdown, natural completion lengths: EOS ends them), population and token
 budget (max new tokens). Rounds alternate the paths, --repeats times each inside a round (a slow
 spell hits all alike), a round's figure their mean: on a shared VM one measurement moves ±10-15% at random,
@@ -34,7 +34,7 @@ is reference / path (> 1: esft is faster), taken round by round, printed as the 
 ±10% prints "noisy: rerun" instead of a ratio.
 --neighbour runs another job beside it (a process copying 256 MiB arrays on the other core): it slows the
 paths unequally (on machine E the batched ones 8-14%, the reference at most 4%), so what else shares the
-host, unseen in a VM, moves the ratios (benchmarks/RESULTS.md, "Heap only, and what moves ...").
+host, unseen in a VM, moves the ratios (docs/benchmarks.md, "Heap only, and what moves ...").
 
     python benchmarks/vs_reference.py --model embedded --prompts 32,200          # 5 rounds
     python benchmarks/vs_reference.py --model 30m --prompts 32,200 --rounds 3
@@ -139,7 +139,7 @@ class EsftPath:
     """One of esft's paths: an engine, an executor, the strategy and the update, as the trainer runs them."""
 
     def __init__(self, name: str, model, tokenizer, args):
-        from esft.config import ESConfig
+        from esft.settings.config import ESConfig
         from esft.engines.population import population_batching_problem
         from esft.engines.transformers_engine import TransformersEngine
         from esft.executors import LocalExecutor, resolve_population_batching

@@ -1,5 +1,5 @@
 """esft.allocator: `esft train` fixes glibc's malloc thresholds at start, unless the user chose their own
-(the speed effect is measured in benchmarks/RESULTS.md, not here)."""
+(the speed effect is measured in docs/benchmarks.md, not here)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def test_a_large_freed_block_is_reused_without_page_faults():
 
 
 def test_settings_given_as_environment_variables_give_the_same_heap():
-    """benchmarks/allocator_speed.py sets its sides through MALLOC_*_ variables: esft.allocator.SETTINGS
+    """A user or a benchmark may set the heap through MALLOC_*_ variables: esft.allocator.SETTINGS
     written there must make the same malloc as steady_allocator's mallopt calls."""
     from esft.allocator import SETTINGS
 

@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).parents[1] / "src" / "esft"
 MAX_LINES = 400
 
 # room -> rooms it must never import (directly or inside a function): arrows run
-# cli → trainer → {es (pure math), executors → engines, tasks → rewards, runs}; grpo beside the trainer.
+# cli → trainer → {loop, es (pure math), executors → engines, tasks → rewards, runs} → settings (ESConfig) → models;
+# grpo beside the trainer.
 # A key is a package (every module in it) or one module; imports inside the key itself are allowed.
 FORBIDDEN = {
     "esft.es": ("esft.",),  # the ES math needs nothing else of esft
@@ -24,10 +25,10 @@ FORBIDDEN = {
     "esft.es.noise": ("esft.",),  # but for ALLOWED's mirror helper
     "esft.es.batches": ("esft.",),
     "esft.child_processes": ("esft.",),  # how engines and the reward sandbox start children: needs nothing of esft
-    "esft.engines": ("esft.executors", "esft.trainer", "esft.cli", "esft.tasks", "esft.rewards", "esft.evaluation",
+    "esft.engines": ("esft.executors", "esft.trainer", "esft.cli", "esft.tasks", "esft.rewards", "esft.loop",
                      "esft.runs", "esft.grpo"),
-    "esft.executors": ("esft.trainer", "esft.cli", "esft.runs", "esft.evaluation", "esft.grpo"),
-    "esft.rewards": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors", "esft.runs", "esft.evaluation",
+    "esft.executors": ("esft.trainer", "esft.cli", "esft.runs", "esft.loop", "esft.grpo"),
+    "esft.rewards": ("esft.tasks", "esft.trainer", "esft.cli", "esft.executors", "esft.runs", "esft.loop",
                      "esft.grpo", "esft.es"),
     "esft.rewards.runner": ("esft.engines",),
     "esft.rewards.values": ("esft.engines", "esft.rewards.runner"),
@@ -36,19 +37,24 @@ FORBIDDEN = {
     "esft.rewards.models": ("esft.rewards.runner",),
     "esft.rewards.remote": ("esft.engines", "esft.rewards.runner"),
     "esft.runs": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
-                  "esft.evaluation", "esft.grpo", "esft.es"),
-    "esft.tasks": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.evaluation", "esft.runs",
+                  "esft.loop", "esft.grpo", "esft.es"),  # a run's settings (esft.settings) it may read
+    "esft.tasks": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.loop", "esft.runs",
                    "esft.grpo"),
+    "esft.loop": ("esft.cli", "esft.trainer", "esft.grpo"),  # the trainer's helpers: below it
     "esft.trainer": ("esft.cli", "esft.grpo"),
     "esft.grpo": ("esft.cli",),  # TRL's GRPO behind ESTrainer's interface: a trainer, beside trainer.py
     "esft.grpo.trl_trainer": ("esft.cli", "esft.trainer", "esft.grpo.baseline", "esft.tasks", "esft.rewards",
-                              "esft.evaluation"),
-    "esft.config": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
-                    "esft.runs", "esft.grpo", "esft.es"),
-    "esft.config_fields": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
-                           "esft.runs", "esft.grpo", "esft.es", "esft.config"),
-    "esft.config_rules": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
-                          "esft.runs", "esft.grpo", "esft.es", "esft.config"),
+                              "esft.loop"),
+    # ESConfig and its validation: below every room but the root's esft.files (rules reads paths with it)
+    "esft.settings": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
+                      "esft.runs", "esft.loop", "esft.grpo", "esft.es"),
+    "esft.settings.fields": ("esft.settings.config", "esft.settings.variants"),
+    "esft.settings.rules": ("esft.settings.config", "esft.settings.fields", "esft.settings.variants"),
+    "esft.settings.variants": ("esft.settings.config",),
+    "esft.settings.trl_names": ("esft.",),
+    # a GGUF file or a registry wheel made into a model folder: below settings (model_path, rules use it)
+    "esft.models": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
+                    "esft.runs", "esft.loop", "esft.grpo", "esft.es", "esft.settings"),
 }
 
 ALLOWED = {"esft.es.noise": ("esft.es.strategy",)}

@@ -1,5 +1,5 @@
 """The benchmark scripts as a user runs them (subprocesses, tiny budgets): they must measure what they
-say, or stop with an error; the speed figures themselves live in benchmarks/RESULTS.md, not here."""
+say, or stop with an error; the speed figures themselves live in docs/benchmarks.md, not here."""
 
 from __future__ import annotations
 

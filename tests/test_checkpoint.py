@@ -28,7 +28,7 @@ from esft.runs.checkpoint import (
     verify,
 )
 from esft.cli import main
-from esft.config import ESConfig
+from esft.settings.config import ESConfig
 from esft.runs.directory import ResumeError, find_resume_point
 from esft.tasks import TASKS, TaskError
 from tiny_model import build_tiny_model, subprocess_env

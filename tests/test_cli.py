@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from esft.cli import resolve_config
-from esft.config import DEMO_PRESET, ESConfig
+from esft.settings.config import DEMO_PRESET, ESConfig
 from esft.tasks.countdown import countdown_accuracy, countdown_reward
 from tiny_model import subprocess_env
 

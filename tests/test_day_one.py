@@ -337,7 +337,7 @@ def test_trainer_model_and_processing_class_as_in_trl(tiny_model_dir, tmp_path):
 
 def test_trl_names_get_the_esft_flag_in_python_yaml_and_the_cli(tmp_path, capsys):
     from esft.cli import main
-    from esft.config import ConfigError
+    from esft.settings.config import ConfigError
 
     with pytest.raises(TypeError, match=r"max-completion-length.*TRL's name; did you mean --max-tokens"):
         ESConfig(max_completion_length=128)
@@ -410,8 +410,8 @@ def test_readme_commands_for_their_data_run_as_written(tiny_model_dir, tmp_path)
     (tmp_path / "their_reward.py").write_text(THEIR_REWARD)
     (tmp_path / "their_math_reward.py").write_text(THEIR_MATH_REWARD)
 
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("### Coming from the paper's scripts or ES-at-Scale")[1].split("###")[0]
+    readme = (ROOT / "docs" / "tasks-and-rewards.md").read_text()
+    section = readme.split("## Coming from the paper's scripts or ES-at-Scale")[1].split("\n## ")[0]
     block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1).replace("\\\n", " ")
     commands = [shlex.split(line) for line in block.splitlines() if line.startswith("esft train")]
     assert len(commands) == 3

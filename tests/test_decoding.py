@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationConfig
 
 from esft.es.batches import prompt_batch
-from esft.config import embedded_model_path
+from esft.settings.config import embedded_model_path
 from esft.engines import decoding
 from esft.engines.base import generation_from_tokens
 from esft.engines.member_rows import MemberRows

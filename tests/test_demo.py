@@ -15,7 +15,7 @@ import pytest
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from esft.config import embedded_model_path
+from esft.settings.config import embedded_model_path
 
 
 def test_embedded_model_ships_with_the_package():

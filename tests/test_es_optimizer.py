@@ -163,7 +163,7 @@ def test_resuming_an_sgd_checkpoint_with_adam_is_one_clear_error(tmp_path):
 
 # ------------------------------------------------------------------ TRL's names, --algorithm grpo
 def test_trl_adam_names_point_to_the_esft_flags():
-    from esft.config import ConfigError, ESConfig, UnknownSetting
+    from esft.settings.config import ConfigError, ESConfig, UnknownSetting
 
     for name, flag in (("adam_beta1", "--adam-betas"), ("adam_beta2", "--adam-betas"), ("adam_epsilon", "--adam-eps")):
         with pytest.raises(UnknownSetting, match=f"TRL's name; did you mean {flag}"):
@@ -174,7 +174,7 @@ def test_trl_adam_names_point_to_the_esft_flags():
 
 def test_grpo_gets_the_adam_flags_as_trls_names():
     pytest.importorskip("trl")  # the grpo extra; the README's test command installs it
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.grpo.trl_trainer import grpo_config
 
     config = grpo_config(ESConfig(algorithm="grpo", weight_decay=0.1, adam_betas="0.8,0.95", adam_eps=1e-6, device="cpu"),
@@ -191,7 +191,7 @@ def test_the_trainer_gives_adam_the_es_gradient_and_alpha_as_its_learning_rate(t
     adam: coefficients zᵢ/N, so G = g = (1/N)·Σ zᵢεᵢ (Σc² = 1/N), and α as Adam's learning rate."""
     from toy_task import byte_reward, toy_rows
 
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.trainer import ESTrainer
 
     args = ESConfig(model=str(tiny_model_dir), population_size=6, batch_size=4, max_tokens=8, sigma=0.05, alpha=0.01,

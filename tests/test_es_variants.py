@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from esft.config import ESConfig
+from esft.settings.config import ESConfig
 from esft.engines.transformers_engine import TransformersEngine
 from esft.es import schedules, strategy
 from esft.es.batches import PromptBatch
 from esft.es.noise import draw_noise, lowrank_factors
 from esft.executors import LocalExecutor
-from esft.reward_faults import reward_matrix
+from esft.loop.reward_faults import reward_matrix
 from esft.rewards.runner import RewardRunner, score
 from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, toy_rows

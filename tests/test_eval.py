@@ -14,7 +14,7 @@ import torch
 from esft.cli import main
 from esft.engines.logprobs import KLScorer, k3
 from esft.engines.base import Generation
-from esft.evaluation import EvalSettings, evaluate_split, ks_for, pass_at_k
+from esft.loop.evaluation import EvalSettings, evaluate_split, ks_for, pass_at_k
 from esft.rewards.runner import RewardRunner
 from tiny_model import build_tiny_model
 

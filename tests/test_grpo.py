@@ -16,7 +16,7 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 from tiny_model import subprocess_env
-from esft.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError, ESConfig
 from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
 
 pytest.importorskip("trl")
@@ -80,6 +80,16 @@ def test_a_grpo_run_writes_what_an_es_run_writes(runs, tiny_model_dir):
     samples = read_jsonl(grpo_run / "eval" / "iteration-2" / "easy.jsonl")
     assert len(samples) == 3 and set(read_jsonl(es_run / "eval" / "iteration-2" / "easy.jsonl")[0]) == set(samples[0])
     assert yaml.safe_load((grpo_run / "config.yaml").read_text())["algorithm"] == "grpo"
+
+
+def test_every_key_both_algorithms_write_is_in_the_metrics_reference(runs):
+    """docs' metrics reference (esft.runs.metric_keys) documents every key of both runs' metrics.jsonl."""
+    from esft.runs.metric_keys import entry_for
+
+    for name in ("es", "grpo"):
+        keys = {key for row in read_jsonl(runs[name][1] / "metrics.jsonl") for key in row}
+        assert {"reward/std", "budget/completions"} <= keys
+        assert sorted(key for key in keys if entry_for(key) is None) == [], name
 
 
 def test_grpo_checkpoints_hold_esft_state_and_trl_state_apart(runs, tiny_model_dir):

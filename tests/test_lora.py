@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from esft.runs.checkpoint import load_master  # noqa: E402
 from esft.cli import main  # noqa: E402
-from esft.config import ConfigError, ESConfig  # noqa: E402
+from esft.settings.config import ConfigError, ESConfig  # noqa: E402
 from esft.engines import build_engine  # noqa: E402
 from esft.engines.population import check_population_batching, generate_population  # noqa: E402
 from esft.es.noise import draw_noise  # noqa: E402
@@ -144,7 +144,7 @@ def test_population_batching_follows_dropped_rows_with_correlated_noise(monkeypa
     """The embedded model ends its completions at EOS at different steps, so the decoder drops finished
     rows and the hooks must give each remaining row its own member's noise."""
     from esft.es.batches import prompt_batch
-    from esft.config import embedded_model_path
+    from esft.settings.config import embedded_model_path
     from esft.engines import decoding
     from esft.tasks.countdown_task import make_countdown_task
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
 from esft.es import strategy  # noqa: E402
-from esft.config import ESConfig  # noqa: E402
+from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402
@@ -199,7 +199,7 @@ def test_ray_refuses_a_model_population_batching_cannot_handle(ray_cluster, tmp_
     from transformers import GPT2Config, GPT2LMHeadModel
     from tiny_model import build_tokenizer
 
-    from esft.config import ConfigError
+    from esft.settings.config import ConfigError
 
     tokenizer = build_tokenizer()
     GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=4, n_positions=64,
@@ -284,7 +284,7 @@ import os, sys, time
 sys.path.insert(0, TESTS)
 from toy_task import byte_reward, toy_rows
 from esft import ESConfig, ESTrainer
-from esft.config import ConfigError
+from esft.settings.config import ConfigError
 
 def cell(name):  # the notebook cell that builds the trainer; its actor holds every CPU of esft's local Ray
     return ESTrainer(model=MODEL, reward_funcs=[byte_reward], train_dataset=toy_rows(8),

@@ -78,7 +78,7 @@ def test_parallel_runs_with_default_names_never_collide(lively_model_dir, tmp_pa
 
 
 def test_an_explicit_run_name_in_use_is_refused(lively_model_dir, tmp_path):
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.runs.directory import open_run
 
     held = open_run(ESConfig(output_dir=str(tmp_path), run_name="busy"))  # this process holds it
@@ -423,7 +423,7 @@ def test_a_tokenizer_that_does_not_match_the_weights_is_named_before_generation(
 def test_a_loaded_model_with_an_added_pad_token_is_refused_by_the_trainer(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.tasks.base import TaskError
     from esft.trainer import ESTrainer
 

@@ -124,7 +124,7 @@ def test_rewards_near_the_float_limit_stop_the_run_in_one_line(tiny_model_dir, t
 
 
 def test_rewards_whose_spread_overflows_stop_with_the_one_line_rule():
-    from esft.reward_faults import stop_if_unshapeable
+    from esft.loop.reward_faults import stop_if_unshapeable
 
     scores = [Scores(total=[v], per_function={"huge": [v]}) for v in (1e308, -1e308)]
     assert scores[0].mean() == 1e308

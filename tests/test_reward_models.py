@@ -16,12 +16,12 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from test_cli import assert_user_error, esft, read_jsonl
 from tiny_model import build_tiny_reward_model, subprocess_env
 from esft.cli import resolve_config
-from esft.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError, ESConfig
 from esft.rewards.models import RewardModel, RewardModelError
 from esft.rewards.runner import RewardRunner
 from esft.tasks.base import PROMPT_SOURCE
 from esft.tasks.custom import task_from_objects
-from esft.config import embedded_model_path
+from esft.settings.config import embedded_model_path
 
 CHAT_TEMPLATE = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
 PROMPTS = ["2 + 2 =", "Name a colour:", "x", "A much longer prompt, to make the padding matter:", "7 - 4 ="]

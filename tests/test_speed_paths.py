@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from esft.es import strategy
 from esft.es.batches import PromptBatch
-from esft.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError, ESConfig
 from esft.engines.fullrank_population import FullRankPopulation
 from esft.engines.population import (
     LowRankPopulation,
@@ -217,7 +217,7 @@ def test_the_prompt_pass_takes_each_members_own_weights_and_decoding_the_hooks(m
 def test_rank_one_factors_have_row_major_strides(model_dir):
     """At rank 1 a single-column product's factors (N, 1, in) must have the strides of a fresh tensor: the
     (in, 1, 1) that `.contiguous()` leaves on a transposed factor sends CPU bmm down a path 2.3-3.6× slower
-    (benchmarks/RESULTS.md). Every product and output factor of the population is checked."""
+    (docs/benchmarks.md). Every product and output factor of the population is checked."""
     engine = load_engine(model_dir, rank=1)
     population = LowRankPopulation(engine, SEEDS, SIGMA)
     factors = [entry[2].left_by_member for entry in population._plan if entry[1] == "matmul"]

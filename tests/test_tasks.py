@@ -17,7 +17,7 @@ import pytest
 
 import sandbox_rewards as R
 from esft.cli import main
-from esft.config import ESConfig
+from esft.settings.config import ESConfig
 from esft.rewards.runner import RewardRunner
 from esft.rewards.usercode import ByReference as FuncRef
 from esft.tasks import TASKS
@@ -190,7 +190,7 @@ def test_rewards_receive_the_generated_completion_ids(tiny_model_dir, batched):
     """completion_ids as TRL passes them (generated ids up to and including EOS), in the sandbox, for
     training members (one at a time and population-batched) and for evaluation."""
     from esft.engines.transformers_engine import TransformersEngine
-    from esft.evaluation import EvalSettings, evaluate_split
+    from esft.loop.evaluation import EvalSettings, evaluate_split
     from esft.es.batches import PromptBatch
     from esft.executors import LocalExecutor
     from esft.tasks.custom import check_reward_func
@@ -365,9 +365,9 @@ def test_math_task_end_to_end_on_a_tiny_model(tiny_model_dir, tmp_path, capsys):
     assert rows[1]["rewards/math_reward/mean"] == 0.0 and rows[1]["reward/errors"] == 0
 
 
-# ------------------------------------------------------------------ the README's example
+# ------------------------------------------------------------------ the docs' example (docs/tasks-and-rewards.md)
 def _readme_blocks() -> list[str]:
-    return re.findall(r"```(?:\w+)?\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
+    return re.findall(r"```(?:\w+)?\n(.*?)```", (ROOT / "docs" / "tasks-and-rewards.md").read_text(), re.DOTALL)
 
 
 def test_readme_example_files_are_included_verbatim():

@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from esft.es import strategy
 from esft.es.batches import PromptBatch  # noqa: E402
-from esft.config import ESConfig  # noqa: E402
+from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402

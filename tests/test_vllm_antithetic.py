@@ -108,7 +108,7 @@ def test_lora_es_on_vllm_serves_mirrored_members_as_the_transformers_engine(tmp_
     pytest.importorskip("peft", reason="install esft[lora] for LoRA-ES")
     from test_vllm_lora_es import LORA, SIGMA
 
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.engines import build_engine
     from esft.engines.population import generate_population
     from tiny_model import build_tiny_model

@@ -15,7 +15,7 @@ from test_vllm import MAX_TOKENS, PROMPTS  # noqa: E402
 from tiny_model import build_tiny_model  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
-from esft.config import ESConfig  # noqa: E402
+from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines import build_engine  # noqa: E402
 from esft.engines.base import PopulationEngine  # noqa: E402
 from esft.engines.population import generate_population  # noqa: E402

@@ -90,7 +90,7 @@ def test_adapters_are_the_transformers_perturbation_and_give_its_completions(low
 
 
 def test_resumed_run_ends_bitwise_equal_to_the_uninterrupted_one(lowrank, tmp_path):
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
     from esft.trainer import ESTrainer
 
     engine, _, _ = lowrank

@@ -24,7 +24,7 @@ from test_vllm import MAX_TOKENS, PROMPTS, session_vllm, short_tmp, vllm_engine,
 from tiny_model import subprocess_env  # noqa: E402
 from toy_task import byte_reward  # noqa: E402
 
-from esft.config import ESConfig  # noqa: E402
+from esft.settings.config import ESConfig  # noqa: E402
 from esft.es import strategy  # noqa: E402
 from esft.es.batches import prompt_batch  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402

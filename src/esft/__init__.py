@@ -1,6 +1,6 @@
 """esft: fine-tune Hugging Face causal LMs with Evolution Strategies (arXiv 2509.24372)."""
 
-from esft.config import ESConfig
+from esft.settings.config import ESConfig
 
 __all__ = ["ESConfig", "ESTrainer", "GRPOBaseline"]
 __version__ = "0.1.0"

@@ -15,11 +15,11 @@ two the heap has room for every block and an iteration takes no page faults (a w
 `esft train --noise iid`: 280,000–320,000 faults, 1.4–1.7 s in the kernel, against 510,000–550,000 and
 2.0–2.5 s with the 32 MiB threshold). Per iteration that was not measurably faster on E, where the host's
 noise is larger (one thread, the preset: 1.01×, 0.95–1.08× over 5 rounds; two threads 0.85–1.29×), but
-the cost no longer depends on the host (benchmarks/allocator_speed.py, benchmarks/RESULTS.md). vLLM's
+the cost no longer depends on the host (docs/benchmarks.md). vLLM's
 worker process (the demo model, 32 prompts per generate call, 2026-11-27, machine E): with glibc's
 defaults a process's median was 4 to 1,800 page faults per call (single calls up to 2,100), with these
 3-5 (single calls up to 844); speed not measurably different in three runs (glibc / heap only 1.07x,
-noisy, 0.95x with 0.85-1.04x over 5 rounds; benchmarks/vllm_worker_malloc.py).
+noisy, 0.95x with 0.85-1.04x over 5 rounds; docs/benchmarks.md).
 The cost is memory: the process keeps its peak heap until it exits, grows it in 256 MiB steps, and
 torch's aligned blocks can leave holes the next one does not fit for a while (peak RSS of a 6-iteration
 demo 1.1–1.25 GiB, 0–0.1 GiB more than with the 32 MiB threshold).

@@ -1,6 +1,7 @@
 """`esft train` / `esft eval`: every ESConfig field is a kebab-case flag; `--config run.yaml` sets
 any of them (flags override). `esft report RUN_DIR...`: a run's (or several runs') curves as an HTML
-page (esft.runs.report). User errors print one line and exit with code 2."""
+page (esft.runs.report). `esft prepare-model NAME`: a pretrained model's folder, made offline
+(esft.models.prepared). User errors print one line and exit with code 2."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from esft.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
-from esft.eval_origin import run_settings_of, settings_line
-from esft.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
-from esft.trl_names import unknown_setting
+from esft.models.prepared import add_prepare_parser, prepare_command
+from esft.settings.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
+from esft.runs.eval_origin import run_settings_of, settings_line
+from esft.runs.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
+from esft.settings.trl_names import unknown_setting
 
 USER_ERROR = 2
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
@@ -39,7 +41,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line and exit code 2, like every other user error
         unknown = re.match(r"unrecognized arguments: --([\w-]+)", message)
         known = [f.name for f in dataclasses.fields(ESConfig)]
-        if unknown and unknown.group(1).replace("-", "_") not in known:  # TRL's name, or a typo (esft.trl_names)
+        if unknown and unknown.group(1).replace("-", "_") not in known:  # TRL's name, or a typo (esft.settings.trl_names)
             hint = unknown_setting(unknown.group(1), known)
             if "did you mean" in hint:
                 message = f"{message}: {hint}"
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         description = summary
         if name == "train":
             description += (f" Demo preset: on the embedded model train uses {preset_flags(DEMO_PRESET)} as defaults "
-                            "(same accuracy gain, faster; benchmarks/RESULTS.md); each flag you give overrides its own "
+                            "(same accuracy gain, faster; docs/benchmarks.md); each flag you give overrides its own "
                             "value. The defaults below are otherwise the paper's.")
         sub = commands.add_parser(name, help=summary, description=description)
         sub.add_argument("--config", metavar="YAML", help="YAML file of settings (keys as the flags, with - or _); flags override it.", default=argparse.SUPPRESS)
@@ -84,6 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
     _add_report_parser(commands)
     _add_serve_reward(commands)
+    add_prepare_parser(commands)
     return parser
 
 
@@ -265,7 +268,7 @@ def resolve_config(command: str, given: dict[str, Any]):
         shown = ", ".join(f"{k}={v}" for k, v in inherited.items() if k not in overridden and v is not None)
         print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
-    if inherited:  # a directory's settings import no code by themselves (esft.inherited)
+    if inherited:  # a directory's settings import no code by themselves (esft.runs.inherited)
         check_inherited_code(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where)
     preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
     for line in dropped:
@@ -321,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(join_negative_numbers(list(sys.argv[1:] if argv is None else argv)))
     if args.command == "report":
         return run_report(args.run_dirs, args.out)
+    if args.command == "prepare-model":
+        return prepare_command(args)
     given = {k: v for k, v in vars(args).items() if k != "command"}
     from esft.runs.checkpoint import CheckpointError
     from esft.engines.base import NonFiniteWeights

@@ -11,16 +11,16 @@ from typing import Any
 from esft.es import schedules, strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
-from esft.config import ConfigError, ESConfig, model_path
+from esft.settings.config import ConfigError, ESConfig, model_path
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
-from esft.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
-from esft.reward_faults import failure_summary, reward_matrix, skip_failing, stop_if_unshapeable
+from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
+from esft.loop.reward_faults import failure_summary, reward_matrix, skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.lora import export_merged, uses_adapter
-from esft.evaluation import EvalSettings, evaluate_task, kl_scorer
+from esft.loop.evaluation import EvalSettings, evaluate_task, kl_scorer
 from esft.executors import build_executor
 from esft.files import directory_written_atomically
 from esft.runs.metrics import MetricsLogger, check_backend
@@ -133,7 +133,7 @@ class ESTrainer:
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:
-        """Evaluate the current weights on every eval split (esft.evaluation: greedy unless
+        """Evaluate the current weights on every eval split (esft.loop.evaluation: greedy unless
         --temperature/--eval-samples say otherwise); writes per-sample JSONL when a run directory is
         open. Returns `eval/<split>/{reward,accuracy,mean_length,pass@k,kl,...}`. RewardError if a
         reward or accuracy function failed on every sample of a split."""

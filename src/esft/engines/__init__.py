@@ -6,7 +6,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Any
 
-from esft.config import ConfigError, ESConfig, model_path
+from esft.settings.config import ConfigError, ESConfig, model_path
 from esft.engines.base import Engine, NoTrainableParameters
 
 
@@ -63,7 +63,7 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
                 cpu_gemm=args.vllm_cpu_gemm, seed=args.seed, rank=args.rank,
                 max_loras=args.vllm_max_loras or min(args.population_size, 64),
             )
-            from esft.config_rules import is_adapter_dir
+            from esft.settings.rules import is_adapter_dir
 
             if args.uses_lora() or is_adapter_dir(path):  # LoRA-ES: members are adapters (esft.engines.vllm_lora)
                 from esft.engines.vllm_lora import vllm_lora_engine

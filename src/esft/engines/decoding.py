@@ -6,7 +6,7 @@ This loop calls the model's own forward (any Hugging Face causal LM) with three 
 
 - the key/value cache of full-attention layers is preallocated (prompt + max_new_tokens) and
   written in place: no concatenation of the whole cache at every step (a third of `generate`'s CPU
-  time, measured in benchmarks/RESULTS.md);
+  time, measured in docs/benchmarks.md);
 - rows that have produced EOS are dropped from the running batch once they are a quarter of it
   (their cache rows with them), so a call no longer computes finished rows until its slowest one
   ends; `on_rows(active)` tells the caller which of the original rows are still running (population
@@ -71,7 +71,7 @@ class PreallocatedLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only rows `indices`, copying their live positions once: index_select straight into a new
         buffer's live part (1.9-3.6× faster than indexing the whole buffer, free positions included, at the
-        demo's drops: benchmarks/bmm_layout.py)."""
+        demo's drops: docs/benchmarks.md)."""
         if not self.is_initialized:
             return
         self._keys = _select_live(self._keys, indices, self.length)

@@ -57,7 +57,7 @@ class FullRankPopulation(MemberRows):
         perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable
                      if perturbs(engine.noise, param.shape)}
         # A Linear's weight is stored (N, in, out): bmm with contiguous right factors runs 1.6-4× faster
-        # than with transposed views (measured: benchmarks/RESULTS.md). Every use sees (N, out, in) views.
+        # than with transposed views (measured: docs/benchmarks.md). Every use sees (N, out, in) views.
         linear_weights = {id(module.weight) for module in engine.model.modules() if type(module) is nn.Linear}
         stacks: dict[int, torch.Tensor] = {}
         for index, name, param in perturbed.values():

@@ -35,8 +35,8 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from esft.config import EMBEDDED_MODEL, ConfigError, ESConfig, embedded_model_path, model_path, split_list
-from esft.config_rules import is_adapter_dir
+from esft.settings.config import EMBEDDED_MODEL, ConfigError, ESConfig, embedded_model_path, model_path, split_list
+from esft.settings.rules import is_adapter_dir
 from esft.engines.base import NoTrainableParameters, resolve_device, torch_dtype
 from esft.es.noise import LOW_RANK_SCHEMES
 

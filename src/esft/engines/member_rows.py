@@ -104,7 +104,7 @@ class MemberRows:
     def _per_row(self, *factors: torch.Tensor):
         """A function giving `factors` gathered for the rows still running (member of each row),
         recomputed only when set_rows changed them: once per dropped-rows event, not per step (index_select:
-        2-5× faster than indexing with a tensor at these shapes, benchmarks/bmm_layout.py)."""
+        2-5× faster than indexing with a tensor at these shapes, docs/benchmarks.md)."""
         cached: list = [None, None]
 
         def gathered():

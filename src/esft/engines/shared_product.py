@@ -3,7 +3,7 @@
 A layer's q/k/v projections (and its gate/up projections) read the same hidden states. Under low-rank
 population batching each module needs x_m·B_m for its own factor B_m; at small rank that product is
 memory-bound (it reads all rows to produce r numbers per row), so computing x_m·[B_q B_k B_v] once reads
-the rows once instead of three times (benchmarks/RESULTS.md).
+the rows once instead of three times (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class SharedProduct:
     tensor for every module that reads it and reused while the same tensor, unchanged, comes back.
     Member-major rows: one batched product (left as (N, r, in) against the rows transposed: the product
     shape CPU kernels run fast at small r; multiplying every row by every member's factors cost up to 90%
-    of a 128-wide layer, benchmarks/RESULTS.md). Rows left after the decoder dropped finished ones: the
+    of a 128-wide layer, docs/benchmarks.md). Rows left after the decoder dropped finished ones: the
     same batched product on the rows gathered into a member-major layout padded to the widest member
     (MemberRows.padded_layout, padded_rows), read back at each row's slot. The input is held by a weak reference: a
     layer's prefill activations are not kept alive for the next step."""
@@ -84,7 +84,7 @@ def input_groups(engine, modules: Sequence[nn.Module]) -> dict[int, int]:
 def standard_strides(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy with the row-major strides of its shape, size-1 dimensions included: `.contiguous()`
     of a transposed (N, in, 1) factor keeps strides (in, 1, 1), which CPU bmm takes as another layout and runs
-    2.3-3.6× slower (benchmarks/bmm_layout.py): every single-column product at rank 1 (o_proj, down_proj, the LM
+    2.3-3.6× slower (docs/benchmarks.md): every single-column product at rank 1 (o_proj, down_proj, the LM
     head) paid it."""
     return tensor.clone(memory_format=torch.contiguous_format)
 

@@ -5,7 +5,7 @@ Rows per call aim at what runs fastest and stay within memory:
 - CPU: about CPU_TARGET_ROWS rows (measured on this project's 2-core CPU with esft's decoder, natural
   completion lengths: plain generation ran fastest at 480–960 rows per call, 240 3% and 120 16% slower;
   the low-rank population's hooks cost less per row in larger calls: 960 rows as fast as 510 or 10% faster;
-  benchmarks/RESULTS.md), and no more than a quarter of the available RAM for the call's key/value
+  docs/benchmarks.md), and no more than a quarter of the available RAM for the call's key/value
   cache and activations;
 - CUDA: as many rows as fit in GPU_MEMORY_SHARE of the free GPU memory (larger batches keep a GPU
   busier; the cache and activations are what grows), at most GPU_MAX_ROWS.

@@ -6,7 +6,7 @@ first gathers, for every token, its adapter's whole factor matrix (`lora_weights
 (tokens, out, r) copy), then multiplies token by token (einsum "bi,boi->bo", a batched product of
 tokens × 1-row matrices). esft serves every ES member as an adapter (esft.engines.vllm_adapters):
 a decode step carries hundreds of tokens spread over tens of adapters, and those per-token copies and
-tiny products cost about as much as the model's own matmuls (benchmarks/RESULTS.md, issue 21).
+tiny products cost about as much as the model's own matmuls (docs/benchmarks.md, issue 21).
 
 What instead. The slots' factors are small (slots × r × in), so every token is multiplied against all
 slots at once in ONE matmul at a shape CPU GEMM kernels run fast, and each token then keeps its own slot:

@@ -164,7 +164,7 @@ def vllm_lora_engine(args, path: str, vllm_options: dict[str, Any], options: dic
     wrapped in PEFT on CPU exactly as the transformers engine's LoRA-ES does (esft.engines.lora)."""
     from transformers import AutoModelForCausalLM
 
-    from esft.config_rules import is_adapter_dir
+    from esft.settings.rules import is_adapter_dir
     from esft.engines.lora import _require_peft, _with_adapter, adapter_tensor_names, base_of
 
     _require_peft()

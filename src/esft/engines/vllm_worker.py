@@ -28,7 +28,7 @@ module wraps that dispatch (at import, i.e. before the model loads) so the weigh
 either replaces the packed kernel with `torch.nn.functional.linear` on the live weight ("plain",
 the default) or packs again after every weight change ("repack"). Measured per ES member (perturb +
 generate + restore), the two are within noise of each other, plain slightly ahead, and plain skips
-the packing work and the packed copy of every weight (benchmarks/RESULTS.md).
+the packing work and the packed copy of every weight (docs/benchmarks.md).
 """
 
 from __future__ import annotations

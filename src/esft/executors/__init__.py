@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from esft.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError, ESConfig
 from esft.engines.base import Engine
 from esft.executors.local import LocalExecutor, MemberResult, Scorer, resolve_population_batching
 

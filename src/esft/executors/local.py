@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from esft.es.batches import PromptBatch
-from esft.config import ConfigError
+from esft.settings.config import ConfigError
 from esft.engines.base import Engine, Generation, Sampling
 from esft.rewards.runner import Scores
 

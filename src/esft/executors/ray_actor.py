@@ -14,7 +14,7 @@ from pathlib import Path
 import ray
 
 from esft.es.batches import PromptBatch, prompt_batch
-from esft.config import ESConfig
+from esft.settings.config import ESConfig
 from esft.executors.local import LocalExecutor, MemberResult
 from esft.rewards.conventions import RewardTrainerState
 from esft.rewards.runner import reward_runners

@@ -12,7 +12,7 @@ import time
 
 import ray
 
-from esft.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError, ESConfig
 
 _local = {"started": False, "executors": 0}
 """The local cluster esft started in this process, and how many executors use it: it stops with the last."""

@@ -28,7 +28,7 @@ from typing import Any
 import ray
 
 from esft.es.batches import PromptBatch, prompt_batch
-from esft.config import ConfigError, ESConfig, model_path
+from esft.settings.config import ConfigError, ESConfig, model_path
 from esft.engines.base import Generation, NonFiniteWeights, Sampling
 from esft.executors.local import MemberResult, resolve_population_batching
 from esft.executors.ray_actor import ESActor

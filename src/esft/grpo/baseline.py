@@ -30,7 +30,7 @@ from typing import Any
 
 from esft.es import strategy
 from esft.runs.checkpoint import CheckpointError, save_checkpoint
-from esft.config import ConfigError, ESConfig, model_path
+from esft.settings.config import ConfigError, ESConfig, model_path
 from esft.engines import check_device, loading_errors
 from esft.engines.trained_model import TrainedModelEngine
 from esft.grpo.trl_trainer import ROW_COLUMN, STAGING_DIR, TRL_DIR, TRLCheckpointFiles, build_trl_trainer, require_trl

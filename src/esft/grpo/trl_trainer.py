@@ -13,8 +13,8 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from esft.config import ConfigError, ESConfig
-from esft.config_rules import GRPO_ONLY
+from esft.settings.config import ConfigError, ESConfig
+from esft.settings.rules import GRPO_ONLY
 from esft.engines.base import resolve_device
 
 MIN_TRL = "1.16"

@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
-from esft.config_rules import url_problem
+from esft.settings.rules import url_problem
 from esft.rewards.values import TRUSTED_ATTRIBUTE
 
 API_KEY_ENV = "ESFT_REWARD_API_KEY"

@@ -39,7 +39,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from esft.config import ConfigError
+from esft.settings.config import ConfigError
 from esft.rewards.models import RewardModel, device_problem
 from esft.rewards.serve_guard import CHARS_PER_TOKEN, Guard, HeaderTimeoutProtocol, text_problem
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.runs.checkpoint import STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state, verify
-from esft.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError, ESConfig
 from esft.files import write_text_atomic
 from esft.runs.metrics import METRICS_FILE
 

@@ -126,7 +126,7 @@ def grpo_settings() -> tuple[str, ...]:
     """The settings only --algorithm grpo uses (ESConfig's 'GRPO (TRL)' section)."""
     import dataclasses
 
-    from esft.config import ESConfig
+    from esft.settings.config import ESConfig
 
     return tuple(f.name for f in dataclasses.fields(ESConfig) if f.metadata.get("group") == "GRPO (TRL)")
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.rewards import conventions, usercode
-from esft.config_rules import split_list
+from esft.settings.rules import split_list
 from esft.rewards.remote import RewardServiceError, remote_reward
 from esft.rewards.models import RewardModel, RewardModelError
 from esft.rewards.runner import PROVIDED_ARGUMENTS, reward_name

@@ -23,7 +23,7 @@ from typing import Any
 from esft.console import progress_bar
 from esft.engines.base import Generation, Sampling
 from esft.files import write_text_atomic
-from esft.iteration_metrics import logged_metrics
+from esft.loop.iteration_metrics import logged_metrics
 from esft.rewards.runner import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
 from esft.tasks.base import Task
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from esft.config_rules import split_list
+from esft.settings.rules import split_list
 from esft.console import say
 from esft.rewards.runner import Failure, RewardError, Scores, failing_everywhere
 from esft.tasks.base import TaskError

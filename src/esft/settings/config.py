@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esft.config_fields import GROUPS, _in
-from esft.config_variants import VariantFields, check_variants
-from esft.trl_names import unknown_setting
-from esft.config_rules import (
+from esft.models.gguf import is_gguf
+from esft.settings.fields import GROUPS, _in
+from esft.settings.variants import VariantFields, check_variants
+from esft.settings.trl_names import unknown_setting
+from esft.settings.rules import (
     CHOICES,
     EMBEDDED_MODEL,
     ConfigError,
@@ -25,10 +26,10 @@ from esft.config_rules import (
 __all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "model_path",
            "split_list"]
 
-# The demo's speed preset: on the embedded model, low-rank noise with the whole population in one
-# batched generate call (--mini-batch-size auto: 17 prompts × 30 members on CPU) is the fastest setting
-# measured to keep the demo's accuracy gain (benchmarks/RESULTS.md). `esft train` adds it as defaults on the embedded model
-# (esft.cli.demo_preset_for); ESConfig's own defaults stay the paper's.
+# The demo's speed preset: on the embedded model, low-rank noise with the whole population in one batched
+# generate call (--mini-batch-size auto: all 32 prompts × 30 members, 960 rows, on CPU) is the fastest
+# setting measured to keep the demo's accuracy gain (docs/benchmarks.md). `esft train` adds it as defaults
+# on the embedded model (esft.cli.demo_preset_for); ESConfig's own defaults stay the paper's.
 DEMO_PRESET = {"noise": "lowrank", "rank": 1, "population_batching": True}
 
 
@@ -40,9 +41,16 @@ def embedded_model_path() -> Path:
 
 
 def model_path(args: ESConfig, model: str | None = None) -> str:
-    """The directory or hub id to load: `model` or --model, with 'embedded' resolved."""
+    """The directory or hub id to load: `model` or --model, with 'embedded' resolved and a GGUF file
+    converted to a safetensors folder (once: esft.models.gguf)."""
     name = model or args.model
-    return str(embedded_model_path()) if name == EMBEDDED_MODEL else name
+    if name == EMBEDDED_MODEL:
+        return str(embedded_model_path())
+    if is_gguf(name):
+        from esft.models.gguf import converted_folder
+
+        return str(converted_folder(name))
+    return name
 
 
 @dataclass
@@ -94,7 +102,7 @@ class ESConfig(VariantFields):
         self.validate()
 
     def validate(self) -> None:
-        """Raise ConfigError naming the first invalid field and how to fix it (esft.config_rules)."""
+        """Raise ConfigError naming the first invalid field and how to fix it (esft.settings.rules)."""
         check(self)
         check_variants(self)
 
@@ -126,7 +134,7 @@ class UnknownSetting(ConfigError, TypeError):
 def _init_naming_unknown_settings(self, *args: Any, **kwargs: Any) -> None:
     known = [f.name for f in dataclasses.fields(ESConfig)]
     for name in kwargs:
-        if name not in known:  # TRL's name for an esft setting: say which (esft.trl_names)
+        if name not in known:  # TRL's name for an esft setting: say which (esft.settings.trl_names)
             raise UnknownSetting(name, unknown_setting(name, known).removeprefix(f"--{name.replace('_', '-')} "))
     _DATACLASS_INIT(self, *args, **kwargs)
 

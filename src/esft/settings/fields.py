@@ -1,12 +1,12 @@
 """The fields of ESConfig, one documented field each, in the sections of `esft train --help`
-(esft.config adds the GRPO (TRL) section, the defaults' post-processing and validation)."""
+(esft.settings.config adds the GRPO (TRL) section, the defaults' post-processing and validation)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from esft.config_rules import EMBEDDED_MODEL
+from esft.settings.rules import EMBEDDED_MODEL
 
 GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging and checkpoints", "scale-out",
           "algorithm and budget", "GRPO (TRL)")
@@ -22,13 +22,13 @@ def _in(group: str, text: str, repeatable: bool = False, **kwargs) -> Any:
 
 @dataclass
 class RunFields:
-    """Every setting but TRL's GRPO ones (esft.config.ESConfig adds those); documented in ESConfig."""
+    """Every setting but TRL's GRPO ones (esft.settings.config.ESConfig adds those); documented in ESConfig."""
 
     # ---- model and engine
     model: str = _in(
         "model and engine",
-        f"Hugging Face hub id or local directory of a causal LM; '{EMBEDDED_MODEL}' is the tiny "
-        "Countdown model shipped inside esft.",
+        f"Hugging Face hub id or local directory of a causal LM, or a .gguf file (dequantized to float32 once, "
+        f"into esft's cache; needs esft[gguf]); '{EMBEDDED_MODEL}' is the tiny Countdown model shipped inside esft.",
         default=EMBEDDED_MODEL,
     )
     dtype: str = _in("model and engine", "Model weights dtype: float32, bfloat16 or float16.", default="float32")
@@ -97,7 +97,7 @@ class RunFields:
     vllm_cpu_gemm: str = _in(
         "model and engine",
         "vLLM on CPU only: plain (torch linear on the live weights) or repack (pack linear weights "
-        "again for oneDNN after each weight change). Same results; speed: benchmarks/RESULTS.md.",
+        "again for oneDNN after each weight change). Same results; speed: docs/benchmarks.md.",
         default="plain",
     )
 

@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from esft.files import looks_like_path
-from esft.trl_names import ES_EQUIVALENTS
+from esft.models.gguf import gguf_problem, is_gguf
+from esft.settings.trl_names import ES_EQUIVALENTS
 
 EMBEDDED_MODEL = "embedded"
 CHOICES = {
@@ -84,7 +85,10 @@ def check(config) -> None:
         raise ConfigError("run_name", f"must be a plain directory name (no '/', not '.' or '..'), got {config.run_name!r}")
     if Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
         raise ConfigError("output_dir", f"{config.output_dir!r} is a file, not a directory; pick a directory for runs")
-    if config.model != EMBEDDED_MODEL and _looks_like_path(config.model) and not Path(config.model).is_dir():
+    if is_gguf(config.model) and (problem := gguf_problem(config.model)):
+        raise ConfigError("model", problem)
+    if (config.model != EMBEDDED_MODEL and not is_gguf(config.model) and _looks_like_path(config.model)
+            and not Path(config.model).is_dir()):
         raise ConfigError(
             "model", f"directory {config.model!r} does not exist; give a model directory or a hub id"
         )

@@ -8,8 +8,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from esft.config_fields import RunFields, _in
-from esft.config_rules import ConfigError
+from esft.settings.fields import RunFields, _in
+from esft.settings.rules import ConfigError
 
 SCHEDULE = re.compile(r"(constant)|(linear|cosine)(?::([0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?")
 """constant, or linear/cosine with an optional ':final fraction' (of the initial value, default 0.1)."""

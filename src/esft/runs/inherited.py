@@ -4,7 +4,7 @@ download): its settings never import code by themselves. Code they name (`--task
 `--reward-funcs`) is loaded only when the user names it again (a flag or --config) or passes
 --trust-run-code; otherwise the command stops with one line saying which code and the two ways on.
 Built-in tasks and rewards are not code from the directory and are always taken. Which settings
-`esft eval` takes from a run's weights: esft.eval_origin."""
+`esft eval` takes from a run's weights: esft.runs.eval_origin."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from esft.config import ESConfig
+from esft.settings.config import ESConfig
 
 NOT_INHERITED = ("run_name", "output_dir", "resume", "trust_run_code")
 """Settings a resumed run sets itself, and the opt-in, which only the user can give."""
