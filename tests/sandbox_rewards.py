@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import subprocess
 import time
 
 
@@ -131,3 +132,17 @@ def kills_its_forkserver(prompts, completions, **kwargs):
 
     os.kill(os.getppid(), signal.SIGTERM)
     return _good(completions)
+
+
+def detaches_two_sleepers(prompts, completions, **kwargs):
+    """A child that calls setsid itself, and a daemon-style one (setsid in a shell that exits at once).
+    test_reward_containment's; here, so that its worker imports it in milliseconds rather than with the test
+    module's torch and transformers (seconds, counted against the call's 5 s timeout)."""
+    folder = os.environ["SLEEPER_DIR"]
+    direct = subprocess.Popen(["setsid", "sleep", "120"])
+    with open(os.path.join(folder, "pids"), "a") as handle:
+        handle.write(f"{direct.pid}\n")
+    subprocess.run(["sh", "-c", f"setsid sleep 120 & echo $! >> {folder}/pids"], check=True)
+    if os.environ.get("SLEEPER_HANG"):
+        time.sleep(60)
+    return [1.0] * len(completions)

@@ -16,6 +16,7 @@ import pytest
 
 from tiny_model import subprocess_env
 from esft.rewards.runner import RewardError, RewardRunner, Scores
+from sandbox_rewards import detaches_two_sleepers
 
 TESTS = Path(__file__).parent
 ENV = {**subprocess_env(),
@@ -37,20 +38,6 @@ def _gone_within(pid: int, seconds: float) -> bool:
             return True
         time.sleep(0.1)
     return False
-
-
-def detaches_two_sleepers(prompts, completions, **kwargs):
-    """A child that calls setsid itself, and a daemon-style one (setsid in a shell that exits at once)."""
-    import subprocess
-
-    folder = os.environ["SLEEPER_DIR"]
-    direct = subprocess.Popen(["setsid", "sleep", "120"])
-    with open(os.path.join(folder, "pids"), "a") as handle:
-        handle.write(f"{direct.pid}\n")
-    subprocess.run(["sh", "-c", f"setsid sleep 120 & echo $! >> {folder}/pids"], check=True)
-    if os.environ.get("SLEEPER_HANG"):
-        time.sleep(60)
-    return [1.0] * len(completions)
 
 
 @pytest.mark.parametrize("how", ["retired", "timed out"])
