@@ -32,7 +32,7 @@ from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.custom import is_spec, task_from_config, task_from_objects
-from esft.tasks.loading import check_prompts, render_rows
+from esft.tasks.loading import check_prompts, format_prompts, render_rows
 from esft.tasks.selection import overlap_line, select_rows
 
 CLOSED = "this ESTrainer was closed (close() released its engine): build a new ESTrainer"
@@ -74,6 +74,8 @@ class ESTrainer:
                                        lambda: self._build_engine(model, processing_class), model)
         self.engine = self.executor.engine
         self._model = model if isinstance(model, str) else None  # a name or directory (export_merged's base)
+        if (line := format_prompts(self.task, args.prompt_format, self.engine.tokenizer)) is not None:
+            print(f"esft: {line}", file=sys.stderr)
         render_rows(self.task, self.engine.tokenizer)  # chat prompts become the text the model sees
         engine = self.engine
         check_prompts(self.task, engine.tokenizer, engine.max_length(), args.max_tokens, engine.embedding_rows(),

@@ -17,6 +17,7 @@ CHOICES = {
     "noise": ("iid", "correlated", "lowrank"),
     "optimizer": ("sgd", "adam"),  # esft.es.optimizers.OPTIMIZERS
     "reward_shaping": ("zscore", "rank", "raw", "per_prompt"),
+    "prompt_format": ("auto", "raw", "chat"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),
     "engine": ("transformers", "vllm"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 
+from esft.tasks.arithmetic import make_arithmetic_task
 from esft.tasks.base import Task, TaskError
 from esft.tasks.conciseness import make_conciseness_task
 from esft.tasks.countdown_task import make_countdown_task
@@ -14,6 +15,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "countdown": make_countdown_task,
     "conciseness": make_conciseness_task,
     "math": make_math_task,
+    "arithmetic": make_arithmetic_task,
 }
 
 

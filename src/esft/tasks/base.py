@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,9 @@ class Task:
     "Q: {question}\nA:" (used for rows without a `prompt` column)."""
     report_kl: bool = False
     """Evaluation also reports KL(fine-tuned || base) per generated token (`eval/<split>/kl`)."""
+    chat_form: Callable[[dict[str, Any]], list[dict[str, str]]] | None = None
+    """A built-in task's row as chat messages (--prompt-format chat): the question in a user turn, and a
+    final assistant message where the reply starts with fixed words (it is continued, not restarted)."""
 
     def where(self, split: str | None = None) -> str:
         """Where the rows of the train set (split None) or of an eval split came from, for messages."""

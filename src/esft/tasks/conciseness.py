@@ -36,6 +36,11 @@ def rows_of(pairs: Sequence[tuple[str, str]]) -> list[dict[str, str]]:
     return [{"prompt": question, "answer": answer} for question, answer in pairs]
 
 
+def question_in_a_user_turn(row: dict[str, Any]) -> list[dict[str, str]]:
+    """--prompt-format chat: the question as the user's turn."""
+    return [{"role": "user", "content": row["prompt"]}]
+
+
 def _text(completion: Any) -> str:
     """A completion as text (chat completions are [{"role": "assistant", "content": ...}])."""
     return completion[-1]["content"] if isinstance(completion, list) else completion
@@ -74,6 +79,7 @@ def make_conciseness_task(*, train_data=None, eval_data=None, **_: Any) -> Task:
         eval_datasets=evals,
         reward_funcs=[conciseness_reward],
         report_kl=True,
+        chat_form=question_in_a_user_turn,
         metadata={"train_where": str(train_data or "conciseness train pairs"),
                   "eval_where": str(eval_data or "conciseness eval pairs")},
     )

@@ -18,13 +18,14 @@ from numbers import Integral
 
 from esft.tasks.base import trusted_reward
 
-PROMPT_TEMPLATE = (
-    "You are a helpful assistant. You first think about the reasoning process in your mind and then "
-    "provide the user with the answer.Using the numbers {numbers}, create an equation that equals "
-    "{target}. You can use basic arithmetic operations (+, -, *, /) and each number can only be used "
-    "once. Show your work in <think> </think> tags. And return the final answer in <answer> </answer> "
-    "tags, for example <answer> (1 + 2) / 3 </answer>.Let me solve this step by step.\n<think>"
-)
+SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in your mind and then "
+          "provide the user with the answer.")
+QUESTION = ("Using the numbers {numbers}, create an equation that equals {target}. You can use basic arithmetic "
+            "operations (+, -, *, /) and each number can only be used once. Show your work in <think> </think> tags. "
+            "And return the final answer in <answer> </answer> tags, for example <answer> (1 + 2) / 3 </answer>.")
+REPLY_START = "Let me solve this step by step.\n<think>"
+PROMPT_TEMPLATE = SYSTEM + QUESTION + REPLY_START
+"""The paper's raw prompt: its three parts run together, as the reference writes them."""
 
 _FULL_FORMAT = re.compile(r"^<think>.*?</think>\n<answer>.*?</answer>$", re.DOTALL)
 _THINK_PAIR = re.compile(r"<think>.*?</think>", re.DOTALL)
@@ -59,6 +60,14 @@ def format_target(target: float | int | str) -> str:
 def make_prompt(numbers: Sequence[int], target: float | int | str) -> str:
     """The paper's raw Countdown prompt (no chat template), ending in `<think>`."""
     return PROMPT_TEMPLATE.format(numbers=format_numbers(numbers), target=format_target(target))
+
+
+def chat_prompt(row: dict) -> list[dict[str, str]]:
+    """--prompt-format chat: the paper's instructions as the system turn, the question as the user's, and the
+    assistant's reply continued from 'Let me solve this step by step.\n<think>' (as in the raw prompt)."""
+    question = QUESTION.format(numbers=format_numbers(row["numbers"]), target=format_target(row["target"]))
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question},
+            {"role": "assistant", "content": REPLY_START}]
 
 
 class UnsafeExpression(ValueError):

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from esft.tasks.base import Task, TaskError
-from esft.tasks.countdown import countdown_accuracy, countdown_reward
+from esft.tasks.countdown import chat_prompt, countdown_accuracy, countdown_reward
 from esft.tasks.countdown_data import (
     Difficulty,
     generate_problems,
@@ -70,6 +70,7 @@ def make_countdown_task(
         eval_datasets=eval_splits,
         reward_funcs=[countdown_reward],
         accuracy_func=countdown_accuracy,
+        chat_form=chat_prompt,
         metadata={
             "difficulty": difficulty if isinstance(difficulty, str) else repr(level),
             "seed": seed,

@@ -259,6 +259,24 @@ def render_prompt(prompt: str | list, tokenizer: Any) -> str:
     return text[: -len("<|im_end|>\n")] if continue_final else text
 
 
+def format_prompts(task: Task, choice: str, tokenizer: Any) -> str | None:
+    """--prompt-format: a built-in task's text prompts become its chat form (task.chat_form) under `chat`,
+    or under `auto` when the tokenizer has a chat template. Returns the line that says which form was used,
+    None when there was no choice (a task without a chat form; auto with no chat template)."""
+    if task.chat_form is None:
+        return None
+    template = bool(getattr(tokenizer, "chat_template", None))
+    if choice == "raw" or (choice == "auto" and not template):
+        return None if choice == "auto" else f"prompts: {task.name}'s raw text (--prompt-format raw)"
+    for rows in (task.train_dataset, *task.eval_datasets.values()):
+        for row in rows:
+            if PROMPT_SOURCE not in row and isinstance(row["prompt"], str):
+                row["prompt"] = task.chat_form(row)
+    how = "the tokenizer's chat template" if template else "ChatML text (the tokenizer has no chat template)"
+    why = "--prompt-format chat" if choice == "chat" else "--prompt-format auto; raw for the task's plain text"
+    return f"prompts: {task.name}'s question in a user turn, through {how} ({why})"
+
+
 def render_rows(task: Task, tokenizer: Any = None, load_tokenizer: Any = None) -> int:
     """Render every chat prompt of the task in place: `prompt` becomes the text, the messages move to
     PROMPT_SOURCE (reward functions still receive them). Without `tokenizer`, `load_tokenizer()` is

@@ -1,0 +1,112 @@
+"""--prompt-format: a built-in task asks its question as raw text or in the tokenizer's chat format (auto: chat
+where the tokenizer has a chat template), said in one line; and the arithmetic task sized for small pretrained
+models (a fixed held-out split, labels that tell format from correctness)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from esft.tasks import load_task
+from esft.tasks.base import Task
+from esft.tasks.arithmetic import HELDOUT, arithmetic_reward
+from esft.tasks.countdown import make_prompt
+from esft.tasks.loading import format_prompts, render_rows
+from test_cli import esft, read_jsonl
+from tiny_model import build_tokenizer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tokenizer(chat_template: bool):
+    tok = build_tokenizer()
+    if chat_template:
+        tok.chat_template = CHATML
+    return tok
+
+
+@pytest.mark.parametrize("choice, template, form, said", [
+    ("auto", False, "raw", None),
+    ("auto", True, "chat", "through the tokenizer's chat template (--prompt-format auto; raw for the task's plain text)"),
+    ("raw", True, "raw", "countdown's raw text (--prompt-format raw)"),
+    ("chat", True, "chat", "through the tokenizer's chat template (--prompt-format chat)"),
+    ("chat", False, "chat", "through ChatML text (the tokenizer has no chat template) (--prompt-format chat)"),
+])
+def test_countdown_asks_in_the_form_chosen_and_says_which(choice, template, form, said):
+    task = load_task("countdown", train_size=3, eval_size=2)
+    raw = make_prompt(task.train_dataset[0]["numbers"], task.train_dataset[0]["target"])
+    tok = tokenizer(template)
+    line = format_prompts(task, choice, tok)
+    render_rows(task, tok)
+    text = task.train_dataset[0]["prompt"]
+    if said is None:
+        assert line is None
+    else:
+        assert line.startswith("prompts: countdown") and line.endswith(said), line
+    if form == "raw":
+        assert text == raw  # the paper's prompt, untouched
+    else:  # system, user, then the assistant's reply continued (no end-of-turn after it)
+        assert text.startswith("<|im_start|>system\nYou are a helpful assistant.")
+        assert "<|im_start|>user\nUsing the numbers" in text
+        assert text.endswith("<|im_start|>assistant\nLet me solve this step by step.\n<think>")
+        assert all(row["prompt"].startswith("<|im_start|>system") for row in task.eval_datasets["heldout"])
+
+
+def test_your_own_data_keeps_its_prompts_under_every_format():
+    own = Task("mine", [{"prompt": "Q: 1+1\nA:"}], {"dev": [{"prompt": "Q: 2+2\nA:"}]}, reward_funcs=[])
+    for choice in ("auto", "raw", "chat"):
+        assert format_prompts(own, choice, tokenizer(True)) is None
+    assert own.train_dataset[0]["prompt"] == "Q: 1+1\nA:"
+
+
+def test_the_arithmetic_split_is_fixed_disjoint_and_seeded_only_in_its_training_order():
+    first, second = load_task("arithmetic", seed=0, train_size=1000), load_task("arithmetic", seed=1, train_size=1000)
+    assert len(first.eval_datasets["heldout"]) == HELDOUT and len(first.train_dataset) == 720 - HELDOUT
+    assert first.eval_datasets["heldout"] == second.eval_datasets["heldout"]
+    assert [r["target"] for r in first.train_dataset] != [r["target"] for r in second.train_dataset]
+    held = {(r["a"], r["b"]) for r in first.eval_datasets["heldout"]}
+    assert not held & {(r["a"], r["b"]) for r in first.train_dataset}
+    assert all(int(r["target"]) == r["a"] * r["b"] for r in first.train_dataset)
+    assert len(load_task("arithmetic", eval_size=50).eval_datasets["heldout"]) == 50
+
+
+@pytest.mark.parametrize("completion, label, value", [
+    ("423", "bare", 1.0), (" 423\n", "bare", 1.0), ("47 * 9 = 423", "correct", 1.0), ("1,423 no: 423", "correct", 1.0),
+    ("47 * 9 = 433", "wrong", 0.0), ("423 is wrong, 424", "wrong", 0.0), ("To solve this problem", "no_number", 0.0),
+])
+def test_the_arithmetic_reward_grades_the_last_number_and_labels_the_form(completion, label, value):
+    assert arithmetic_reward(completion, "423") == (label, value)
+
+
+def test_arithmetic_trains_from_the_cli_in_chat_form_with_its_labels_logged(tiny_model_dir, tmp_path):
+    proc, _ = esft("train", "--model", str(tiny_model_dir), "--task", "arithmetic", "--prompt-format", "chat",
+                   "--max-tokens", "4", "--population-size", "2", "--batch-size", "2", "--eval-size", "4",
+                   "--iterations", "1", "--no-progress", "--logging", "none", "--output-dir", str(tmp_path),
+                   "--run-name", "a", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "esft: prompts: arithmetic's question in a user turn, through ChatML text" in proc.stderr
+    rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    assert "eval/heldout/accuracy" in rows[-1]
+    labels = {k: v for k, v in rows[1].items() if k.startswith("rewards/arithmetic_reward/labels/")}
+    assert sum(labels.values()) == 4, rows[1]  # 2 members × 2 prompts, every completion labelled
+    (sample, *_) = read_jsonl(tmp_path / "a" / "eval" / "iteration-1" / "heldout.jsonl")
+    assert sample["prompt_text"].startswith("<|im_start|>user\nWhat is ") and sample["prompt"][0]["role"] == "user"
+    assert Path(tmp_path / "a" / "final" / "model.safetensors").is_file()
+
+
+def test_the_smollm2_recipe_config_is_what_its_docs_say(tiny_model_dir, tmp_path):
+    """examples/smollm2-arithmetic.yaml: the settings measured on SmolLM2; the file runs as the docs call it
+    (here on the tiny model, later flags shrinking the run)."""
+    import yaml
+
+    recipe = Path(__file__).parents[1] / "examples" / "smollm2-arithmetic.yaml"
+    settings = yaml.safe_load(recipe.read_text())
+    assert settings | {"sigma": 0.01} == settings and settings["noise"] == "lowrank" and settings["task"] == "arithmetic"
+    proc, _ = esft("train", "--config", str(recipe), "--model", str(tiny_model_dir), "--iterations", "1",
+                   "--population-size", "2", "--batch-size", "2", "--eval-size", "4", "--max-tokens", "4", "--no-progress",
+                   "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
+    assert (config["task"], config["noise"], config["sigma"], config["alpha"]) == ("arithmetic", "lowrank", 0.01, 0.005)
