@@ -1,8 +1,8 @@
 """Arithmetic: "What is 47 * 6?", two-digit times one-digit numbers, graded on the last number of the answer.
 
 A task sized for small pretrained instruct models, where Countdown is out of reach: SmolLM2-135M-Instruct
-answers 27% of these right in its chat format within 16 tokens (12% with the raw prompt), mostly failing by
-rambling or by arithmetic, so ES has a signal to follow. Its 720 problems are split once, the same for every
+answers 18.0% of the held-out problems right in its chat format within 16 tokens (16.5% with the raw prompt),
+failing by arithmetic or by explaining past the token limit, so members' rewards differ and ES has a signal. Its 720 problems are split once, the same for every
 seed: 200 held out (`heldout`), 520 for training. The reward labels each completion (counted per label as
 `rewards/arithmetic_reward/labels/<label>`), so a gain can be told apart as format or correctness:
 `bare` (the answer and nothing else), `correct` (the right last number, with other text), `wrong`, `no_number`.
