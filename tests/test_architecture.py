@@ -42,7 +42,8 @@ FORBIDDEN = {
                    "esft.grpo"),
     "esft.loop": ("esft.cli", "esft.trainer", "esft.grpo"),  # the trainer's helpers: below it
     "esft.trainer": ("esft.cli", "esft.grpo"),
-    "esft.grpo": ("esft.cli",),  # TRL's GRPO behind ESTrainer's interface: a trainer, beside trainer.py
+    "esft.grpo": ("esft.cli",),
+    "esft.sigma_scan": ("esft.cli", "esft.grpo"),  # σ measured with a trainer's engine and rewards: beside the trainer  # TRL's GRPO behind ESTrainer's interface: a trainer, beside trainer.py
     "esft.grpo.trl_trainer": ("esft.cli", "esft.trainer", "esft.grpo.baseline", "esft.tasks", "esft.rewards",
                               "esft.loop"),
     # ESConfig and its validation: below every room but the root's esft.files (rules reads paths with it)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.models.prepared import add_prepare_parser, prepare_command
+from esft.sigma_scan import SCAN_OPTIONS, SCAN_SUMMARY, add_scan_arguments, run_scan
 from esft.settings.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
 from esft.runs.eval_origin import run_settings_of, settings_line
 from esft.runs.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
@@ -63,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("train", "Run ES fine-tuning (evaluates before and after)."),
         ("eval", "Evaluate a model on a task's eval splits (train without iterations). Given a run's checkpoint or "
                  "final directory, it takes that run's task, data and generation settings (flags override)."),
+        ("sigma-scan", SCAN_SUMMARY),
     ):
         description = summary
         if name == "train":
@@ -73,8 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", metavar="YAML", help="YAML file of settings (keys as the flags, with - or _); flags override it.", default=argparse.SUPPRESS)
         groups = {group: sub.add_argument_group(group) for group in GROUPS}
         for field in dataclasses.fields(ESConfig):
-            if name == "eval" and field.name == "iterations":
-                continue  # eval never trains
+            if name in ("eval", "sigma-scan") and field.name == "iterations":
+                continue  # eval never trains; the scan evaluates members, no update
             flag = "--" + field.name.replace("_", "-")
             help_text = f"{field.metadata['help']} [default: {field.default}]"
             group = groups[field.metadata["group"]]
@@ -84,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, action=_Repeated, metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
             else:
                 group.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
+        if name == "sigma-scan":
+            add_scan_arguments(sub)
     _add_report_parser(commands)
     _add_serve_reward(commands)
     add_prepare_parser(commands)
@@ -327,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "prepare-model":
         return prepare_command(args)
     given = {k: v for k, v in vars(args).items() if k != "command"}
+    scan_options = {k: given.pop(k) for k in SCAN_OPTIONS if k in given}  # sigma-scan's own flags
     from esft.runs.checkpoint import CheckpointError
     from esft.engines.base import NonFiniteWeights
     from esft.rewards.runner import RewardError
@@ -337,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve-reward":
             return _serve_reward(given)
         config, preset, point = resolve_config(args.command, given)
+        if args.command == "sigma-scan":
+            return run_scan(config, scan_options)
         from esft.allocator import steady_allocator
         from esft.runs.directory import open_run
         from esft.trainer import ESTrainer

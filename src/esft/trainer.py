@@ -21,6 +21,7 @@ from esft.engines.base import NonFiniteWeights
 from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.lora import export_merged, uses_adapter
 from esft.loop.evaluation import EvalSettings, evaluate_task, kl_scorer
+from esft.loop.learning_signal import LearningWatch
 from esft.executors import build_executor
 from esft.files import directory_written_atomically
 from esft.runs.metrics import MetricsLogger, check_backend
@@ -90,6 +91,7 @@ class ESTrainer:
         self.failure_totals: dict[str, dict[str, Any]] = {}
         """Per reward function: failed and scored samples of this train() call, and the first failure."""
         self._budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
+        self._watch = LearningWatch()  # tied iterations (no update), their cause, whether the weights moved
         self._logger: MetricsLogger | None = None
         self._progress: Any = None
         self.report_path: Path | None = None  # report.html, written by train() (esft.runs.report)
@@ -199,6 +201,8 @@ class ESTrainer:
         try:
             self._result = self._train()
             status = "stopped: budget" if self.state.iteration < args.iterations else "complete"
+            if self._result.get("es/weights_moved") == 0.0:
+                status += f": the weights never moved ({self._watch.count} of {self._watch.iterations} iterations tied)"
             return self._result
         except Exception:
             status = "stopped: error"
@@ -232,8 +236,8 @@ class ESTrainer:
                                                 args.reward_shaping, reward_matrix([member.scores for member in members]))
             self._update(seeds, coefficients, alpha)
             self.state = state
-            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started)
-                                          | {"es/sigma": sigma, "es/alpha": alpha})
+            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started, coefficients,
+                                                                  sigma) | {"es/sigma": sigma, "es/alpha": alpha})
         return self._end(last, start)
 
     def _begin(self) -> int:
@@ -250,6 +254,7 @@ class ESTrainer:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
             print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
         self.state = strategy.ESState(args.seed, start)
+        self._watch = LearningWatch(self.engine.checksum() if args.algorithm == "es" and args.iterations > start else None)
         if start == 0 and args.iterations > 0 and (line := overlap_line(self.task)):  # said once per run
             print(f"esft: {line}", file=sys.stderr)  # before training: results measured on training rows say so
         self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name, resume_at=start)
@@ -286,7 +291,8 @@ class ESTrainer:
         self._progress.update(1)
         if "reward/mean" in row:
             self._progress.set_postfix(reward=f"{row['reward/mean']:.3f}", max=f"{row['reward/max']:.3f}",
-                                       tok_s=f"{row['perf/tokens_per_s']:.0f}")
+                                       tok_s=f"{row['perf/tokens_per_s']:.0f}",
+                                       **({"tied": self._watch.count} if self._watch.count else {}))
         return row, final
 
     def _end(self, last: dict[str, float], start: int) -> dict[str, float]:
@@ -302,11 +308,12 @@ class ESTrainer:
             print(f"esft: already at iteration {start} of {args.iterations}: nothing to train", file=sys.stderr)
         if last and args.iterations:
             report_accuracy("after", last)
+        learning = self._watch.finish(self.engine.checksum() if self._watch.start else None)
         if args.iterations > 0:
             self._save(self.run_dir / "final")
             if uses_adapter(self.engine, args):  # LoRA-ES: final/ is the adapter; final-merged/ the merged model
                 self.save_model(self.run_dir / "final-merged", merged=True)
-        return (last or self.initial_metrics) | failure_summary(self.failure_totals)
+        return (last or self.initial_metrics) | failure_summary(self.failure_totals) | learning
 
     def _batch(self, iteration: int):
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
@@ -373,15 +380,19 @@ class ESTrainer:
         if self.run is not None:
             self.run.close()
 
-    def _iteration_metrics(self, members, elapsed: float) -> dict[str, float]:
-        row, self._budget = iteration_row(self.state.iteration, [m.reward for m in members], [m.scores for m in members],
+    def _iteration_metrics(self, members, elapsed: float, coefficients, sigma: float) -> dict[str, float]:
+        """The ES row: rewards, budget, and whether the update could move the weights (esft.loop.learning_signal)."""
+        rewards = [m.reward for m in members]
+        row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
                                           sum(m.num_tokens for m in members), elapsed, self._budget)
-        return row
+        return row | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],
+                                         sigma, self.args.antithetic, self.executor.update_ratio())
 
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:
-        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": self.engine.checksum(),
-                 "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
+        checksum = self.engine.checksum()
+        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": checksum,
+                 "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {}), "learning": self._watch.record(checksum)}
         save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
 
     def save_model(self, path: str | Path, merged: bool = False) -> None:

@@ -6,6 +6,7 @@ A third engine implements `Engine`; `tests/test_architecture.py` checks every en
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,12 @@ class Generation:
     """Generated tokens per completion, EOS included, padding excluded."""
     token_ids: list[list[int]] | None = None
     """The generated token ids (EOS included, padding excluded), when the engine provides them."""
+
+    def fingerprints(self) -> tuple[int, ...]:
+        """A digest of each completion's text, equal in every process (str's hash() is salted per
+        process): members' completions are compared by these (esft.loop.learning_signal)."""
+        return tuple(int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(),
+                                    "little") for text in self.texts)
 
 
 @dataclass(frozen=True)

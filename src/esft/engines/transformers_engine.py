@@ -77,6 +77,8 @@ class TransformersEngine:
         self._scratch = {name: flat[: m.numel()].view(m.shape) for name, m in self.master.items()}
         self.optimizer = ESOptimizer(**(optimizer or {}))
         """How G moves the master (--optimizer: esft.es.optimizers.optimizer_spec); adam's state beside the master."""
+        self.last_update_ratio: float | None = None
+        """‖Δθ‖/‖θ‖ of the last update (the trainable float32 master; None before the first)."""
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self._prepare_tokenizer_and_generation()
         if noise not in LOW_RANK_SCHEMES:  # --population-batching with full-rank noise: each member's own weights
@@ -173,9 +175,11 @@ class TransformersEngine:
         """
         check_coefficients(coefficients)
         updated = []
+        moved_sq = weights_sq = 0.0
         for index, name, param in self.trainable:
             if not perturbs(self.noise, param.shape):
                 continue
+            before = self.master[name].clone()  # one tensor at a time: ‖Δθ‖ for last_update_ratio
             if self.noise in LOW_RANK_SCHEMES and self.optimizer.plain:
                 lowrank.accumulate_update(self.master[name], index, member_seeds, coefficients, self.rank, self._generator)
             elif self.noise in LOW_RANK_SCHEMES:
@@ -189,6 +193,9 @@ class TransformersEngine:
                     total.add_(noise, alpha=coefficient)
                 self.optimizer.step(name, self.master[name], total, learning_rate)  # sgd: master.add_(total)
             updated.append((name, param))
+            moved_sq += float(before.sub_(self.master[name]).square().sum(dtype=torch.float64))
+            weights_sq += float(self.master[name].square().sum(dtype=torch.float64))
+            del before
         bad = [name for name, param in updated if not torch.isfinite(self.master[name].to(param.dtype)).all()]
         if bad:
             for name, param in updated:
@@ -197,6 +204,7 @@ class TransformersEngine:
                                    "(weights unchanged)")
         for name, param in updated:
             param.copy_(self.master[name])
+        self.last_update_ratio = (moved_sq / weights_sq) ** 0.5 if weights_sq else 0.0
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """The float32 master of the trainable tensors (for checkpoints)."""

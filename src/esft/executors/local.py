@@ -28,6 +28,8 @@ class MemberResult:
     """Mean reward over the batch: the member's fitness (maximized)."""
     scores: Scores
     num_tokens: int
+    fingerprints: tuple[int, ...] = ()
+    """A digest of each completion (Generation.fingerprints): whether members wrote the same text."""
 
 
 def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool:
@@ -95,11 +97,15 @@ class LocalExecutor:
 
     @staticmethod
     def _result(seed: int, generation: Generation, scores: Scores) -> MemberResult:
-        return MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens))
+        return MemberResult(seed, scores.mean(), scores, sum(generation.num_tokens), generation.fingerprints())
 
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
         """Apply the optimizer's step on G = Σ coefficientsᵢ·εᵢ on the engine (sgd: θ += G; Engine.update)."""
         self.engine.update(member_seeds, coefficients, learning_rate)
+
+    def update_ratio(self) -> float | None:
+        """‖Δθ‖/‖θ‖ of the last update, where the engine measures it (the transformers engine), else None."""
+        return getattr(self.engine, "last_update_ratio", None)
 
     def generate(
         self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None

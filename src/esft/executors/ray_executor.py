@@ -260,6 +260,10 @@ class RayExecutor:
         """The checksum every actor agrees on (checked now)."""
         return self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
 
+    def update_ratio(self) -> float | None:
+        """‖Δθ‖/‖θ‖ of the last update, from one actor (all apply the same update)."""
+        return self._call_one("update_ratio")
+
     def _call_one(self, method: str, *args, **kwargs):
         """Run a call on the first actor that answers (evaluation, saving)."""
         for slot in self.slots:

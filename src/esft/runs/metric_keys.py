@@ -73,6 +73,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("es/sigma", "σ of this iteration's perturbations (after --sigma-schedule).", "-", ES_ROWS),
     Metric("es/alpha", "α of this iteration's update (after --alpha-schedule; Adam's learning rate under "
            "--optimizer adam).", "-", ES_ROWS),
+    Metric("es/tied", "1 when every member's update coefficient was zero (all members tied: the weights did not move "
+           "by this iteration's rewards), else 0. The first tied iteration is said on stderr with its cause; "
+           "the progress bar counts them (`tied`).", "the N members", ES_ROWS),
+    Metric("es/distinct_completions", "How many different completions the members wrote for a prompt, averaged over "
+           "the iteration's prompts: 1 means every member wrote the unperturbed model's text (σ too small for "
+           "this model), N every member its own.", "the batch's prompts (distinct over the N members)", ES_ROWS),
+    Metric("es/update_ratio", "‖Δθ‖/‖θ‖ of the iteration's update over the trainable float32 master (0: the weights "
+           "did not move).", "all trainable tensors", ES_ROWS + ", transformers engine (in process or on Ray actors)"),
+    Metric("es/pairs_differ", "Fraction of ±σ pairs whose two rewards differ (a pair that ties adds nothing to "
+           "the update).", "the N/2 pairs", ES_ROWS + " with --antithetic"),
     # ---- training: GRPO (TRL's values for the step, as TRL logs them)
     Metric("grpo/loss", "TRL's GRPO loss of the optimizer step.", "the step's micro-batches", GRPO_ROWS),
     Metric("grpo/grad_norm", "Gradient norm before clipping (--max-grad-norm).", "the step", GRPO_ROWS),
@@ -106,6 +116,11 @@ SUMMARY: tuple[Metric, ...] = (
     Metric("reward/failures_total", "Reward values lost to failures (errors and timeouts) over the whole train() call; "
            "also printed at the end of the run.", "summed over every iteration's samples and functions",
            "train()'s result, when a reward function failed"),
+    Metric("es/weights_moved", "1 if the weights at the end of train() differ from those it began with (master "
+           "checksums), 0 if they never moved; 0 also marks the run's status and its report.", "the train() call",
+           "train()'s result, ES runs that trained"),
+    Metric("es/tied_iterations", "Iterations in which every member tied (no update by the rewards).",
+           "the train() call", "train()'s result, ES runs that trained"),
     Metric("rewards/<function>/failures_total", "The same, for one reward function.", "summed over every iteration's "
            "samples", "train()'s result, when that function failed"),
 )
@@ -118,6 +133,7 @@ PROGRESS_BAR = (
     ("reward", "reward/mean of the last iteration"),
     ("max", "reward/max of the last iteration"),
     ("tok_s", "perf/tokens_per_s of the last iteration"),
+    ("tied", "iterations so far in which every member tied (no update; shown once there is one)"),
     ("waiting", "what the run waits for (a reward service that does not answer), while it waits"),
 )
 """The fields of the training progress bar (stderr), after ES's or GRPO's iteration count."""

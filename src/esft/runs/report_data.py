@@ -66,8 +66,9 @@ class Run:
 
     @property
     def status(self) -> str:
-        """'complete', or how and where the run stopped: 'stopped: budget', 'stopped: error' or
-        'interrupted' (Ctrl-C, or killed: a run that recorded no end) at iteration k of n."""
+        """'complete' (or 'complete: ' and what was wrong with it: the weights never moved), or how and
+        where the run stopped: 'stopped: budget', 'stopped: error' or 'interrupted' (Ctrl-C, or killed:
+        a run that recorded no end) at iteration k of n."""
         planned = self.config.get("iterations")
         try:
             recorded = json.loads((self.path / STATUS_FILE).read_text()).get("status")
@@ -75,6 +76,8 @@ class Run:
             recorded = None
         if recorded in ("stopped: budget", "stopped: error", "interrupted"):
             return f"{recorded} at iteration {self.last_iteration} of {planned}"
+        if isinstance(recorded, str) and recorded.startswith("complete: "):  # e.g. "the weights never moved (...)"
+            return recorded[:300]
         if recorded == "complete" or planned is None or self.last_iteration >= planned:
             return "complete"
         if (self.path / "final").is_dir():  # written by a version that recorded no status: final/ = it ended

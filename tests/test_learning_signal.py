@@ -1,0 +1,173 @@
+"""Issue 50 items 1-2: a run that cannot learn says so (while it runs, in its summary, trainer_state.json,
+status and report), and `esft sigma-scan` measures σ for the user's model, task and reward.
+
+The user's way: their own small Qwen2 saved to a folder, their reward in a file, the CLI as a subprocess
+from their directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import esft
+from esft.loop.learning_signal import distinct_per_prompt, iteration_signal, pairs_differ
+from esft.sigma_scan import Step, degenerate, recommend
+from tiny_model import build_tokenizer, subprocess_env
+
+ESFT_SRC = Path(esft.__file__).parents[1]
+ENV = {**subprocess_env(), "PYTHONPATH": str(ESFT_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+WORDS = "cats dogs rain snow tea code maps bells lamps ships rivers hills".split()
+REWARDS = '''
+def distinct_chars(prompts, completions, **kwargs):
+    return [len(set(c)) / 10 for c in completions]
+
+def constant(prompts, completions, **kwargs):
+    return [1.0 for c in completions]
+'''
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory) -> Path:
+    """A user's folder: their own tiny Qwen2 (2 layers, hidden 64, random weights), data and reward file."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = tmp_path_factory.mktemp("user")
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    Qwen2ForCausalLM(config).save_pretrained(folder / "qwen")
+    tokenizer.save_pretrained(folder / "qwen")
+    rows = [json.dumps({"prompt": f"Write something about {word}:"}) for word in WORDS]
+    (folder / "train.jsonl").write_text("\n".join(rows[:8]) + "\n")
+    (folder / "eval.jsonl").write_text("\n".join(rows[8:]) + "\n")
+    (folder / "rewards.py").write_text(REWARDS)
+    return folder
+
+
+def esft_cli(folder: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "esft", *args], cwd=folder, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def train(folder: Path, name: str, *extra: str, reward: str = "distinct_chars") -> subprocess.CompletedProcess:
+    return esft_cli(folder, "train", "--model", "./qwen", "--train-data", "train.jsonl", "--eval-data", "eval.jsonl",
+                    "--reward-funcs", f"rewards.py:{reward}", "--population-size", "8", "--batch-size", "4",
+                    "--max-tokens", "12", "--output-dir", "runs", "--run-name", name, "--logging", "none",
+                    "--no-progress", *extra)
+
+
+def rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def test_a_run_at_a_sigma_too_small_says_so_and_never_looks_like_success(user_dir):
+    """The issue's run: the user's Qwen2 at the default σ = 1e-3. Every member writes the unperturbed
+    model's text, so every iteration ties and nothing moves: said once with the cause, counted, and
+    recorded in the summary, trainer_state.json, status.json and the report."""
+    done = train(user_dir, "tied", "--iterations", "3")
+    assert done.returncode == 0, done.stderr
+    first = [line for line in done.stderr.splitlines() if "members tied" in line]
+    assert len(first) == 1 and "iteration 1: all 8 members tied" in first[0], done.stderr
+    assert "every member wrote the same completions on all 4 prompts: σ = 0.001 is too small" in first[0]
+    assert "esft sigma-scan" in first[0]
+    assert "esft: warning: the weights never moved: 3 of 3 iterations tied" in done.stderr
+    run = user_dir / "runs" / "tied"
+    training = [row for row in rows(run) if "es/tied" in row]
+    assert [row["es/tied"] for row in training] == [1.0, 1.0, 1.0]
+    assert all(row["es/distinct_completions"] == 1.0 and row["es/update_ratio"] == 0.0 for row in training)
+    state = json.loads((run / "final" / "trainer_state.json").read_text())["learning"]
+    assert state["weights_moved"] is False and state["tied_iterations"] == 3 and "too small" in state["first_cause"]
+    status = json.loads((run / "status.json").read_text())["status"]
+    assert status == "complete: the weights never moved (3 of 3 iterations tied)"
+    assert "the weights never moved" in (run / "report.html").read_text()
+
+    moving = train(user_dir, "moving", "--iterations", "2", "--sigma", "0.1", "--alpha", "0.05")
+    assert moving.returncode == 0, moving.stderr
+    assert "members tied" not in moving.stderr and "never moved" not in moving.stderr
+    training = [row for row in rows(user_dir / "runs" / "moving") if "es/tied" in row]
+    assert all(row["es/tied"] == 0.0 and row["es/distinct_completions"] > 1 and 0 < row["es/update_ratio"] < 1
+               for row in training), training
+    assert json.loads((user_dir / "runs" / "moving" / "status.json").read_text())["status"] == "complete"
+
+
+def test_a_reward_without_signal_is_told_apart_from_a_small_sigma(user_dir):
+    """Completions differ (σ = 0.1) but the reward is constant: the cause named is the reward, and the
+    σ scan reports "no signal at any σ" (table, JSON and plot written)."""
+    done = train(user_dir, "constant", "--iterations", "2", "--sigma", "0.1", reward="constant")
+    assert done.returncode == 0, done.stderr
+    assert "members' completions differ on" in done.stderr and "it gives no signal on this data" in done.stderr
+    scan = esft_cli(user_dir, "sigma-scan", "--model", "./qwen", "--train-data", "train.jsonl", "--reward-funcs",
+                    "rewards.py:constant", "--max-tokens", "12", "--sigmas", "1e-3,1e-1", "--members", "4",
+                    "--prompts", "4", "--out", "scan-constant")
+    assert scan.returncode == 0, scan.stderr
+    assert "no signal at any σ: completions change from σ = 0.1, but every member got the same reward" in scan.stdout
+    record = json.loads((user_dir / "scan-constant" / "sigma-scan.json").read_text())
+    assert record["recommended_sigma"] is None and [step["sigma"] for step in record["steps"]] == [1e-3, 0.1]
+    assert record["steps"][1]["changed"] > 0 and record["steps"][1]["spread"] == 0.0
+    assert (user_dir / "scan-constant" / "sigma-scan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_sigma_scan_recommends_a_sigma_with_which_the_run_learns(user_dir):
+    """The done-when of issue 50: the scan recommends for the user's Qwen2 a σ above the default, and
+    the same run at the recommended σ and α raises its held-out reward."""
+    scan = esft_cli(user_dir, "sigma-scan", "--model", "./qwen", "--train-data", "train.jsonl", "--reward-funcs",
+                    "rewards.py:distinct_chars", "--max-tokens", "12", "--sigmas", "1e-3,1e-2,1e-1", "--members", "6",
+                    "--prompts", "4", "--out", "scan")
+    assert scan.returncode == 0, scan.stderr
+    record = json.loads((user_dir / "scan" / "sigma-scan.json").read_text())
+    sigma, alpha = record["recommended_sigma"], record["recommended_alpha"]
+    assert sigma == 0.1 and alpha == 0.05, scan.stdout
+    done = train(user_dir, "recommended", "--iterations", "10", "--sigma", str(sigma), "--alpha", str(alpha))
+    assert done.returncode == 0, done.stderr
+    evaluated = [row["eval/eval/reward"] for row in rows(user_dir / "runs" / "recommended") if "eval/eval/reward" in row]
+    assert evaluated[-1] > evaluated[0], evaluated
+
+
+@pytest.mark.slow
+def test_sigma_scan_on_the_embedded_model_and_on_its_unscaled_weights(tmp_path):
+    """The embedded model (its matrices shrunk ×0.1 after SFT so that the paper's σ = 1e-3 moves it:
+    docs/models.md) gets 1e-3; the same function with the shrinking undone (matrices ×10, RMSNorm gains
+    ÷10) gets the σ ten times larger, as a pretrained model of ordinary weight scale would."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esft.settings.config import embedded_model_path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from build_embedded_model import shrink_weights
+
+    scan_args = ("--sigmas", "1e-4,1e-3,1e-2,1e-1", "--members", "6", "--prompts", "4", "--max-tokens", "64")
+    embedded = esft_cli(tmp_path, "sigma-scan", *scan_args, "--out", "embedded")
+    assert embedded.returncode == 0, embedded.stderr
+    assert json.loads((tmp_path / "embedded" / "sigma-scan.json").read_text())["recommended_sigma"] == 1e-3
+
+    model = AutoModelForCausalLM.from_pretrained(embedded_model_path(), dtype=torch.float32)
+    shrink_weights(model, 10.0)  # the inverse of the build script's shrink_weights(model, 0.1)
+    model.save_pretrained(tmp_path / "unscaled")
+    AutoTokenizer.from_pretrained(embedded_model_path()).save_pretrained(tmp_path / "unscaled")
+    unscaled = esft_cli(tmp_path, "sigma-scan", "--model", "./unscaled", *scan_args, "--out", "unscaled")
+    assert unscaled.returncode == 0, unscaled.stderr
+    assert json.loads((tmp_path / "unscaled" / "sigma-scan.json").read_text())["recommended_sigma"] == 1e-2, unscaled.stdout
+
+
+def test_signal_arithmetic_and_the_recommendation_rule():
+    assert distinct_per_prompt([(1, 2, 3), (1, 5, 3), (1, 6, 3)]) == [1, 3, 1]
+    assert pairs_differ([0.5, 0.5, 0.2, 0.7]) == 0.5
+    tied = iteration_signal([0.3, 0.3], [0.0, 0.0], [(1, 2), (1, 2)])
+    assert tied.tied and tied.identical and "σ = 0.001 is too small" in tied.cause(1e-3)
+    assert "differ on 1 of 2 prompts" in iteration_signal([0.3, 0.3], [0.0, 0.0], [(1, 2), (1, 9)]).cause(1e-3)
+    assert not iteration_signal([0.3, 0.4], [-1.0, 1.0], [(1,), (2,)]).tied
+    assert degenerate("") and degenerate(" \n") and degenerate("!!!!!!!!!!") and degenerate("ok \ufffd")
+    assert not degenerate("6 * 3 = 18") and not degenerate("aaaa")
+    steps = [Step(1e-4, 0.1, 0.01, 0.30, 0.0), Step(1e-3, 0.8, 0.20, 0.32, 0.0), Step(1e-2, 1.0, 0.25, 0.02, 0.9)]
+    assert recommend(0.3, 0.0, steps)[0] == 1e-3  # 1e-2 spreads more but collapses (garbled, reward falls)
+    assert recommend(0.3, 0.0, [Step(1e-3, 0.0, 0.0, 0.3, 0.0)])[1].startswith("no signal at any σ: no completion")
+    assert recommend(0.3, 0.0, steps[2:])[1].startswith("no σ of the ladder is both moving and intact")
