@@ -15,7 +15,7 @@ from esft.settings.config import ConfigError, ESConfig, model_path
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
-from esft.loop.reward_faults import failure_summary, reward_matrix, skip_failing, stop_if_unshapeable
+from esft.loop.reward_faults import failure_summary, member_rewards, reward_matrix, skip_failing, stop_if_unshapeable
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.logprobs import cpu_float32_copy
@@ -223,16 +223,17 @@ class ESTrainer:
             seeds = strategy.ask(self.state, args.population_size, args.antithetic)
             self._tell_rewards()
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration), sigma)
-            self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
-            rewards = [member.reward for member in members]
-            stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
-                                f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
+            batches = [member.scores for member in members]
+            self._stop_if_unscorable(batches, first=self.state.iteration == start)
+            rewards = member_rewards(batches, args.failed_samples)  # failed samples: --failed-samples
+            stop_if_unshapeable(rewards, args.reward_shaping, batches, f"iteration {self.state.iteration + 1}",
+                                self._stop_checkpoint)
             # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers)
             state, coefficients = strategy.tell(self.state, rewards, 1.0 if args.optimizer == "adam" else alpha,
-                                                args.reward_shaping, reward_matrix([member.scores for member in members]))
+                                                args.reward_shaping, reward_matrix(batches, args.failed_samples))
             self._update(seeds, coefficients, alpha)
             self.state = state
-            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started)
+            last, _ = self._end_iteration(self._iteration_metrics(members, rewards, time.perf_counter() - started)
                                           | {"es/sigma": sigma, "es/alpha": alpha})
         return self._end(last, start)
 
@@ -373,8 +374,8 @@ class ESTrainer:
         if self.run is not None:
             self.run.close()
 
-    def _iteration_metrics(self, members, elapsed: float) -> dict[str, float]:
-        row, self._budget = iteration_row(self.state.iteration, [m.reward for m in members], [m.scores for m in members],
+    def _iteration_metrics(self, members, rewards: Sequence[float], elapsed: float) -> dict[str, float]:
+        row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
                                           sum(m.num_tokens for m in members), elapsed, self._budget)
         return row
 

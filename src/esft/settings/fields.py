@@ -233,8 +233,17 @@ class RunFields:
     failure_reward: float = _in(
         "rewards",
         "Reward of a sample whose reward function failed (raised, timed out, crashed, returned NaN/inf "
-        "or a non-number), and of a member none of whose samples was scored (all None).",
+        "or a non-number): its value in rewards/<fn>/mean, in evaluations and GRPO, and in ES's update under "
+        "--failed-samples fill; also the reward of a member none of whose samples was scored (all None).",
         default=0.0,
+    )
+    failed_samples: str = _in(
+        "rewards",
+        "ES: what a sample a reward function failed on counts in the update. omit: nothing, it is left out "
+        "of its member's mean (and, under per_prompt, of its prompt's column), and a member left with no "
+        "sample gets the others' mean reward (z-score 0); fill: --failure-reward (esft's only rule before this option). omit kept "
+        "the update closer to the failure-free one at every failure rate measured (docs/benchmarks.md).",
+        default="omit",
     )
 
     # ---- evaluation
