@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from esft.settings.config import ESConfig
 from esft.settings.rules import CHOICES, ConfigError
 from tiny_model import subprocess_env
 
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 ROWS = [{"prompt": f"p{i}"} for i in range(4)]
 
 
@@ -110,3 +112,21 @@ def test_a_tiny_model_trains_through_a_flaky_reward_under_each_policy(tiny_model
     bad = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--failed-samples", "zero"], cwd=work,
                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "--failed-samples" in bad.stderr and "omit" in bad.stderr
+
+
+def test_the_benchmark_script_measures_both_policies_on_every_scenario(tmp_path):
+    """benchmarks/failure_policy.py as a user runs it (a subprocess, 5 seeds): every scenario and shaping
+    gets both policies' cosines, and when whole member batches fail, omit is the closer one (95% of 200
+    seeds in docs/benchmarks.md; its seeds are fixed, so 5 are the same 5 each time)."""
+    out = tmp_path / "policy.json"
+    proc = subprocess.run([sys.executable, str(BENCHMARKS / "failure_policy.py"), "--seeds", "5", "--rewards", "binary",
+                           "--json", str(out)], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = json.loads(out.read_text())["tables"]["binary"]
+    assert len(table) == 6 and all(set(row) == {"zscore", "rank", "per_prompt"} for row in table.values())
+    for row in (cell for row in table.values() for cell in row.values()):
+        assert all(-1 <= row[policy][q] <= 1 for policy in FAILED_SAMPLES for q in ("p10", "median", "p90"))
+    whole = table["whole batches (10% of members)"]["zscore"]
+    assert whole["omit"]["median"] > whole["fill"]["median"] + 0.1
+    assert "| whole batches (10% of members) | zscore |" in proc.stdout
