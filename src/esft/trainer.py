@@ -15,7 +15,8 @@ from esft.settings.config import ConfigError, ESConfig, model_path
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
-from esft.loop.reward_faults import failure_summary, reward_matrix, skip_failing, stop_if_unshapeable
+from esft.loop.reward_faults import (count_failures, failure_summary, member_rewards, reward_matrix, skip_failing,
+                                     stop_if_unscorable, stop_if_unshapeable)
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights
 from esft.engines.logprobs import cpu_float32_copy
@@ -28,7 +29,7 @@ from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
 from esft.rewards.conventions import RewardTrainerState
-from esft.rewards.runner import RewardError, Scores, failing_everywhere, reward_runners
+from esft.rewards.runner import RewardError, Scores, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
@@ -227,17 +228,18 @@ class ESTrainer:
             seeds = strategy.ask(self.state, args.population_size, args.antithetic)
             self._tell_rewards()
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration), sigma)
-            self._stop_if_unscorable([member.scores for member in members], first=self.state.iteration == start)
-            rewards = [member.reward for member in members]
-            stop_if_unshapeable(rewards, args.reward_shaping, [member.scores for member in members],
-                                f"iteration {self.state.iteration + 1}", self._stop_checkpoint)
+            batches = [member.scores for member in members]
+            self._stop_if_unscorable(batches, first=self.state.iteration == start)
+            rewards = member_rewards(batches, args.failed_samples)  # failed samples: --failed-samples
+            stop_if_unshapeable(rewards, args.reward_shaping, batches, f"iteration {self.state.iteration + 1}",
+                                self._stop_checkpoint)
             # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers)
             state, coefficients = strategy.tell(self.state, rewards, 1.0 if args.optimizer == "adam" else alpha,
-                                                args.reward_shaping, reward_matrix([member.scores for member in members]))
+                                                args.reward_shaping, reward_matrix(batches, args.failed_samples))
             self._update(seeds, coefficients, alpha)
             self.state = state
-            last, _ = self._end_iteration(self._iteration_metrics(members, time.perf_counter() - started, coefficients,
-                                                                  sigma) | {"es/sigma": sigma, "es/alpha": alpha})
+            last, _ = self._end_iteration(self._iteration_metrics(members, rewards, time.perf_counter() - started,
+                                                                  coefficients, sigma) | {"es/sigma": sigma, "es/alpha": alpha})
         return self._end(last, start)
 
     def _begin(self) -> int:
@@ -319,25 +321,10 @@ class ESTrainer:
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
     def _stop_if_unscorable(self, batches: Sequence[Scores], first: bool) -> None:
-        """RewardError when a reward function failed on every sample of this iteration (`batches`: its
-        scores; `first`: kept for callers, the rule is the same for every iteration): training on the
-        other rewards alone would change the objective. No update is applied; a checkpoint of the
-        weights before this iteration is written, unless the run is at its very start. Functions named
-        by --reward-skip-failing are left out of the iteration's rewards instead, said on one line."""
-        for name in self.rewards.names:
-            total = self.failure_totals.setdefault(name, {"failed": 0, "samples": 0, "first": None})
-            total["samples"] += sum(len(scores.total) for scores in batches)
-            total["failed"] += sum(scores.failed.get(name, 0) for scores in batches)
-            found = next((scores.first_failure[name] for scores in batches if name in scores.first_failure), None)
-            total["first"] = total["first"] or found
-        failing = failing_everywhere(batches)
-        skipped = {name: failure for name, failure in failing.items() if name in self._skip_failing}
-        if len(failing) > len(skipped) or (failing and len(failing) == len(self.rewards.names)):
-            name, failure = next((n, f) for n, f in failing.items() if n not in skipped or len(skipped) == len(failing))
-            raise RewardError(name, failure, f"iteration {self.state.iteration + 1}", self._stop_checkpoint())
-        for name, failure in skipped.items():
-            say(f"esft: iteration {self.state.iteration + 1}: reward function {name} failed on every sample "
-                f"({failure.message}); trained on the other rewards (--reward-skip-failing {name})")
+        """esft.loop.reward_faults.stop_if_unscorable for this iteration (`first`: kept for callers)."""
+        count_failures(self.failure_totals, self.rewards.names, batches)
+        stop_if_unscorable(batches, self.rewards.names, self._skip_failing, f"iteration {self.state.iteration + 1}",
+                           self._stop_checkpoint)
 
     def _stop_checkpoint(self, what: str = "the weights from before it are in") -> str:
         """Write checkpoint-<iteration> (unless the run has not trained yet) and say how to go on."""
@@ -380,9 +367,9 @@ class ESTrainer:
         if self.run is not None:
             self.run.close()
 
-    def _iteration_metrics(self, members, elapsed: float, coefficients, sigma: float) -> dict[str, float]:
+    def _iteration_metrics(self, members, rewards: Sequence[float], elapsed: float, coefficients,
+                           sigma: float) -> dict[str, float]:
         """The ES row: rewards, budget, and whether the update could move the weights (esft.loop.learning_signal)."""
-        rewards = [m.reward for m in members]
         row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
                                           sum(m.num_tokens for m in members), elapsed, self._budget)
         return row | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],

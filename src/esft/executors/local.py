@@ -25,7 +25,8 @@ class MemberResult:
 
     seed: int
     reward: float
-    """Mean reward over the batch: the member's fitness (maximized)."""
+    """Mean reward over the batch, failed samples counting --failure-reward (Scores.mean); the trainer's
+    fitness is esft.loop.reward_faults.member_rewards, which leaves them out by default."""
     scores: Scores
     num_tokens: int
     fingerprints: tuple[int, ...] = ()

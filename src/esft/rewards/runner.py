@@ -10,7 +10,9 @@ Several functions are combined as a weighted sum per sample. A function's `None`
 "no score here": that function is left out of the sample's sum, and a sample no function scored is
 left out of the member's mean; a member none of whose samples was scored gets `failure_reward`.
 Failures are not scores: NaN/inf, a non-number, an exception, a timeout or a crashed worker give
-that function's value for the sample(s) `failure_reward` (default 0), counted in `errors`/`timeouts`.
+that function's value for the sample(s) `failure_reward` (default 0), counted in `errors`/`timeouts`
+and listed in `failed_samples` (ES leaves them out of a member's fitness unless --failed-samples fill:
+esft.loop.reward_faults.member_rewards).
 User functions run in sandbox worker processes (esft.rewards.sandbox, shipped by esft.rewards.usercode); trusted
 built-ins run in-process. A round of scoring in which a function failed on every sample is what
 `failing_everywhere` finds; the trainer then stops with a RewardError (README: the reward sandbox).
@@ -91,14 +93,18 @@ class Scores:
     """Per function returning (label, reward) pairs (ES-at-Scale's convention): each sample's label."""
 
     def mean(self) -> float:
-        """Mean over scored samples; the failure reward when no sample was scored (so one member
-        cannot poison the population's statistics)."""
+        """Mean over scored samples, failed ones counting the failure reward (--failed-samples fill;
+        esft.loop.reward_faults.member_rewards leaves them out); the failure reward when no sample
+        was scored (so one member cannot poison the population's statistics)."""
         values = [v for v in self.total if v is not None]
-        if not values:
-            return self.failure_reward
-        mean = sum(values) / len(values)
-        # finite rewards near the float limit (1e308 each) overflow a plain sum: scale first
-        return mean if math.isfinite(mean) else sum(v / len(values) for v in values)
+        return finite_mean(values) if values else self.failure_reward
+
+
+def finite_mean(values: Sequence[float]) -> float:
+    """The mean of a non-empty list, also of finite rewards near the float limit (1e308 each), which
+    overflow a plain sum: those are scaled first."""
+    mean = sum(values) / len(values)
+    return mean if math.isfinite(mean) else sum(v / len(values) for v in values)
 
 
 def failing_everywhere(batches: Sequence[Scores]) -> dict[str, Failure]:

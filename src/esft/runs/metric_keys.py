@@ -36,7 +36,8 @@ METRICS: tuple[Metric, ...] = (
            "N-th update (TensorBoard's step).", "-", "every row"),
     # ---- training: the population's rewards
     Metric("reward/mean", "Mean reward. ES: of the members' rewards (a member's reward is the mean combined, weighted "
-           "reward of its completions on the iteration's prompts); GRPO: of the generation batch's completions.",
+           "reward of its completions on the iteration's prompts, without those a reward function failed on unless "
+           "--failed-samples fill); GRPO: of the generation batch's completions.",
            "ES: the N members; GRPO: completions", TRAINING),
     Metric("reward/std", "Standard deviation of the same rewards. 0 means every member tied: the z-scored update is "
            "zero and the weights did not move (docs: Your model, choosing σ and α).", "ES: the N members; GRPO: completions",

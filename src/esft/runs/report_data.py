@@ -19,7 +19,7 @@ CONFIG_FILE = "config.yaml"
 STATUS_FILE = "status.json"
 """How the last train() in a run directory ended (esft.trainer writes it; `esft report` shows it)."""
 ES_ONLY_SETTINGS = ("population_size", "sigma", "alpha", "noise", "rank", "population_batching", "reward_shaping",
-                    "antithetic", "sigma_schedule", "alpha_schedule")
+                    "failed_samples", "antithetic", "sigma_schedule", "alpha_schedule")
 """Settings GRPO runs ignore; GRPO's own are the 'GRPO (TRL)' section of ESConfig (grpo_settings)."""
 # Bookkeeping settings: they never make two runs' curves differ, so they are not "settings that differ".
 IGNORED_SETTINGS = ("run_name", "output_dir", "resume", "progress", "logging")

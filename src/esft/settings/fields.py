@@ -138,7 +138,8 @@ class RunFields:
         "ES",
         "Fitness shaping of member rewards: zscore (paper), rank (centered ranks), raw, or per_prompt (z-score "
         "each prompt's rewards over the members, then average per member: a prompt every member scores alike "
-        "counts 0; samples a reward function failed on are left out of their prompt). Reward is maximized.",
+        "counts 0; samples a reward function failed on are left out of their prompt: --failed-samples). Reward "
+        "is maximized.",
         default="zscore",
     )
     seed: int = _in("ES", "Run seed: member seeds and prompt batches derive from it and the iteration.", default=0)
@@ -232,10 +233,16 @@ class RunFields:
     reward_workers: int = _in("rewards", "Sandbox worker processes (reward functions of a batch run in parallel).", default=2)
     failure_reward: float = _in(
         "rewards",
-        "Reward of a sample whose reward function failed (raised, timed out, crashed, returned NaN/inf "
-        "or a non-number), and of a member none of whose samples was scored (all None).",
-        default=0.0,
-    )
+        "Reward of a sample whose reward function failed (raised, timed out, crashed, returned NaN/inf or a "
+        "non-number): its value in rewards/<fn>/mean, evaluations, GRPO, and ES updates under --failed-samples "
+        "fill; also the reward of a member none of whose samples was scored (all None).", default=0.0)
+    failed_samples: str = _in(
+        "rewards",
+        "ES: what a sample a reward function failed on counts in the update. omit: nothing, it is left out of its "
+        "member's mean and of its per_prompt column (a member with no sample left gets the others' mean: z-score "
+        "0); fill: --failure-reward, the rule before this option. omit kept the update closer to the failure-free "
+        "one in all cases measured but one, right/wrong rewards failing mostly on wrong answers "
+        "(docs/benchmarks.md).", default="omit")
 
     # ---- evaluation
     eval_every: int = _in(

@@ -17,6 +17,7 @@ CHOICES = {
     "noise": ("iid", "correlated", "lowrank"),
     "optimizer": ("sgd", "adam"),  # esft.es.optimizers.OPTIMIZERS
     "reward_shaping": ("zscore", "rank", "raw", "per_prompt"),
+    "failed_samples": ("omit", "fill"),  # esft.loop.reward_faults.FAILED_SAMPLES
     "prompt_format": ("auto", "raw", "chat"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),
@@ -170,7 +171,8 @@ def _check_lora(config) -> None:
 
 
 ES_ONLY = ("population_size", "sigma", "alpha", "batch_size", "noise", "rank", "population_batching", "reward_shaping",
-           "mini_batch_size", "engine", "executor", "antithetic", "sigma_schedule", "alpha_schedule", "optimizer")
+           "failed_samples", "mini_batch_size", "engine", "executor", "antithetic", "sigma_schedule", "alpha_schedule",
+           "optimizer")
 """Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
 GRPO_ONLY = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
              "loss_type", "scale_rewards", "epsilon", "num_iterations", "rollout_temperature", "max_grad_norm",
