@@ -23,6 +23,10 @@ USER_ERROR = 2
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
+USERS_DATA = ("train_data", "eval_data", "reward_funcs", "reward_model", "reward_url")
+"""Settings that make a run on the embedded model the user's own, not the demo."""
+
+
 class UserError(Exception):
     """A problem with the user's input: printed without a traceback, exit code 2."""
 
@@ -38,6 +42,10 @@ def _int_or_word(text: str) -> int | str:
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)  # --sigma-schedul is a typo, as in YAML, not --sigma-schedule
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str):  # one line and exit code 2, like every other user error
         unknown = re.match(r"unrecognized arguments: --([\w-]+)", message)
         known = [f.name for f in dataclasses.fields(ESConfig)]
@@ -66,7 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         description = summary
         if name == "train":
-            description += (f" Demo preset: on the embedded model train uses {preset_flags(DEMO_PRESET)} as defaults "
+            description += (f" Demo preset: on the embedded model and its Countdown task (no data or reward of yours) "
+                            f"train uses {preset_flags(DEMO_PRESET)} as defaults "
                             "(same accuracy gain, faster; docs/benchmarks.md); each flag you give overrides its own "
                             "value. The defaults below are otherwise the paper's.")
         sub = commands.add_parser(name, help=summary, description=description)
@@ -91,11 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The DEMO_PRESET values `esft train` adds on the embedded model, as defaults: a setting the user
-    gave overrides only its own value, and a preset value the user's choice makes impossible is
-    dropped. Returns (the values added, one line per value dropped and why)."""
+    """The DEMO_PRESET values `esft train` adds to the demo (the embedded model on its built-in Countdown
+    task), as defaults: a setting the user gave overrides only its own value, and a preset value the
+    user's choice makes impossible is dropped. Returns (the values added, one line per value dropped and why)."""
     if settings.get("model", EMBEDDED_MODEL) != EMBEDDED_MODEL or settings.get("algorithm", "es") != "es":
         return {}, []  # the preset is ES's
+    if settings.get("task", "countdown") != "countdown" or any(settings.get(name) for name in USERS_DATA):
+        return {}, []  # measured on the demo's task: the user's own data or reward gets the paper's defaults
     preset = {name: value for name, value in DEMO_PRESET.items() if name not in settings}
     reasons = []
     if settings.get("engine", "transformers") != "transformers":
@@ -285,6 +296,8 @@ def resolve_config(command: str, given: dict[str, Any]):
 
 
 def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
+    from esft.tasks.selection import overlap_line
+
     for key, value in final.items():
         if key.startswith("eval/") and key.endswith("/accuracy"):
             before = trainer.initial_metrics.get(key)
@@ -299,6 +312,8 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
             splits.setdefault(parts[1], []).append(f"{parts[2]} {value:.4g}")
     for split, items in splits.items():
         print(f"{split}: {', '.join(items)}")
+    if config.iterations and (line := overlap_line(trainer.task)) and line.startswith("warning"):
+        print(line)  # said before training too, where the lines of a long run bury it
     if final.get("reward/failures_total"):
         print(f"reward failures: {final['reward/failures_total']} samples got the failure reward (see above)")
     print(f"run directory: {trainer.run_dir}")
