@@ -14,17 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from esft.models.prepared import add_prepare_parser, prepare_command
-from esft.settings.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
+from esft.settings.config import DEMO_PRESET, GROUPS, ConfigError, ESConfig, is_demo
 from esft.runs.eval_origin import run_settings_of, settings_line
 from esft.runs.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
 from esft.settings.trl_names import unknown_setting
 
 USER_ERROR = 2
 _NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
-
-
-USERS_DATA = ("train_data", "eval_data", "reward_funcs", "reward_model", "reward_url")
-"""Settings that make a run on the embedded model the user's own, not the demo."""
 
 
 class UserError(Exception):
@@ -42,10 +38,6 @@ def _int_or_word(text: str) -> int | str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def __init__(self, *args: Any, **kwargs: Any):
-        kwargs.setdefault("allow_abbrev", False)  # --sigma-schedul is a typo, as in YAML, not --sigma-schedule
-        super().__init__(*args, **kwargs)
-
     def error(self, message: str):  # one line and exit code 2, like every other user error
         unknown = re.match(r"unrecognized arguments: --([\w-]+)", message)
         known = [f.name for f in dataclasses.fields(ESConfig)]
@@ -74,10 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         description = summary
         if name == "train":
-            description += (f" Demo preset: on the embedded model and its Countdown task (no data or reward of yours) "
-                            f"train uses {preset_flags(DEMO_PRESET)} as defaults "
-                            "(same accuracy gain, faster; docs/benchmarks.md); each flag you give overrides its own "
-                            "value. The defaults below are otherwise the paper's.")
+            description += (f" Demo preset: on the embedded model's Countdown demo (no data or reward of yours) train "
+                            f"uses {preset_flags(DEMO_PRESET)} as defaults (same accuracy gain, faster; docs/benchmarks.md); "
+                            "each flag you give overrides its own value. The defaults below are otherwise the paper's.")
         sub = commands.add_parser(name, help=summary, description=description)
         sub.add_argument("--config", metavar="YAML", help="YAML file of settings (keys as the flags, with - or _); flags override it.", default=argparse.SUPPRESS)
         groups = {group: sub.add_argument_group(group) for group in GROUPS}
@@ -96,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_parser(commands)
     _add_serve_reward(commands)
     add_prepare_parser(commands)
+    for each in (parser, *commands.choices.values()):  # --sigma-schedul is a typo (as in YAML), not --sigma-schedule
+        each.allow_abbrev = False
     return parser
 
 
@@ -103,10 +96,8 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
     """The DEMO_PRESET values `esft train` adds to the demo (the embedded model on its built-in Countdown
     task), as defaults: a setting the user gave overrides only its own value, and a preset value the
     user's choice makes impossible is dropped. Returns (the values added, one line per value dropped and why)."""
-    if settings.get("model", EMBEDDED_MODEL) != EMBEDDED_MODEL or settings.get("algorithm", "es") != "es":
-        return {}, []  # the preset is ES's
-    if settings.get("task", "countdown") != "countdown" or any(settings.get(name) for name in USERS_DATA):
-        return {}, []  # measured on the demo's task: the user's own data or reward gets the paper's defaults
+    if not is_demo(settings):
+        return {}, []  # the preset is ES's, measured on the demo: any other run gets the paper's defaults
     preset = {name: value for name, value in DEMO_PRESET.items() if name not in settings}
     reasons = []
     if settings.get("engine", "transformers") != "transformers":
@@ -296,8 +287,7 @@ def resolve_config(command: str, given: dict[str, Any]):
 
 
 def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
-    from esft.tasks.selection import overlap_line
-
+    from esft.tasks.selection import overlap_line  # the task's data is loaded by now
     for key, value in final.items():
         if key.startswith("eval/") and key.endswith("/accuracy"):
             before = trainer.initial_metrics.get(key)

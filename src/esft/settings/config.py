@@ -25,7 +25,7 @@ from esft.settings.rules import (
 )
 
 __all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "es_config",
-           "model_path", "split_list"]
+           "is_demo", "model_path", "split_list"]
 
 # The demo's speed preset: on the embedded model, low-rank noise with the whole population in one batched
 # generate call (--mini-batch-size auto: all 32 prompts × 30 members, 960 rows, on CPU) is the fastest
@@ -33,6 +33,15 @@ __all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", 
 # on the demo, the embedded model on its Countdown task (esft.cli.demo_preset_for); the user's own data or
 # reward on the embedded model, and ESConfig's own defaults, stay the paper's.
 DEMO_PRESET = {"noise": "lowrank", "rank": 1, "population_batching": True}
+USERS_OWN = ("train_data", "eval_data", "reward_funcs", "reward_model", "reward_url")
+"""Settings that make a run on the embedded model the user's own, not the demo."""
+
+
+def is_demo(settings: dict[str, Any]) -> bool:
+    """Whether settings (the given ones, by name) are the demo's: ES on the embedded model and its Countdown
+    task, with no data or reward of the user's."""
+    return (settings.get("model", EMBEDDED_MODEL) == EMBEDDED_MODEL and settings.get("algorithm", "es") == "es"
+            and settings.get("task", "countdown") == "countdown" and not any(settings.get(name) for name in USERS_OWN))
 
 
 def embedded_model_path() -> Path:
