@@ -118,12 +118,16 @@ def test_the_embedded_model_with_the_users_data_is_no_demo_and_overlap_is_a_warn
     assert "data reward before: " in proc.stderr and "data reward after: " in proc.stderr
 
 
-def test_flags_are_never_abbreviated(tmp_path):
+def test_flags_are_never_abbreviated_and_trls_default_is_no_es_setting(tmp_path):
     proc, _ = esft_cli("train", "--sigma-schedul", "linear", cwd=tmp_path)
     assert proc.returncode == 2
     assert "unrecognized arguments: --sigma-schedul linear" in proc.stderr and "did you mean --sigma-schedule?" in proc.stderr
     proc, _ = esft_cli("report", "--ou", "x.html", "run", cwd=tmp_path)
     assert proc.returncode == 2 and "unrecognized arguments: --ou" in proc.stderr
+    proc, _ = esft_cli("train", "--num-generations", "8", cwd=tmp_path)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith(
+        "esft: error: --num-generations: is a GRPO setting (TRL's name); add --algorithm grpo or drop it; in an ES run, "
+        "did you mean --population-size"), proc.stderr
 
 
 @pytest.mark.parametrize("offline", [True, False])
