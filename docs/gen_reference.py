@@ -34,7 +34,7 @@ def config_page() -> str:
     lines = [GENERATED, "# Configuration reference\n\n",
              "Every setting of a run: a field of `ESConfig` (Python), a key of `--config run.yaml` (with `-` or `_`) "
              "and a flag of `esft train` / `esft eval`, which override the file. Defaults are the paper's ES "
-             "settings; `esft train` on the embedded model adds the demo preset "
+             "settings; `esft train` on the embedded model and its Countdown task adds the demo preset "
              "(`--noise lowrank --rank 1 --population-batching`). The same text is `esft train --help`.\n\n"]
     for group in GROUPS:
         members = [f for f in fields if f.metadata.get("group") == group]

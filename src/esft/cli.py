@@ -15,7 +15,8 @@ from typing import Any
 
 from esft.models.prepared import add_prepare_parser, prepare_command
 from esft.sigma_scan import SCAN_OPTIONS, SCAN_SUMMARY, add_scan_arguments, run_scan
-from esft.settings.config import DEMO_PRESET, EMBEDDED_MODEL, GROUPS, ConfigError, ESConfig
+from esft.settings.config import DEMO_PRESET, GROUPS, ConfigError, ESConfig
+from esft.settings.demo import demo_preset_for, preset_flags
 from esft.runs.eval_origin import run_settings_of, settings_line
 from esft.runs.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
 from esft.settings.trl_names import unknown_setting
@@ -68,9 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         description = summary
         if name == "train":
-            description += (f" Demo preset: on the embedded model train uses {preset_flags(DEMO_PRESET)} as defaults "
-                            "(same accuracy gain, faster; docs/benchmarks.md); each flag you give overrides its own "
-                            "value. The defaults below are otherwise the paper's.")
+            description += (f" Demo preset: on the embedded model's Countdown demo (no data or reward of yours) train "
+                            f"uses {preset_flags(DEMO_PRESET)} as defaults (same accuracy gain, faster; docs/benchmarks.md); "
+                            "each flag you give overrides its own value. The defaults below are otherwise the paper's.")
         sub = commands.add_parser(name, help=summary, description=description)
         sub.add_argument("--config", metavar="YAML", help="YAML file of settings (keys as the flags, with - or _); flags override it.", default=argparse.SUPPRESS)
         groups = {group: sub.add_argument_group(group) for group in GROUPS}
@@ -91,35 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_report_parser(commands)
     _add_serve_reward(commands)
     add_prepare_parser(commands)
+    for each in (parser, *commands.choices.values()):  # --sigma-schedul is a typo (as in YAML), not --sigma-schedule
+        each.allow_abbrev = False
     return parser
-
-
-def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The DEMO_PRESET values `esft train` adds on the embedded model, as defaults: a setting the user
-    gave overrides only its own value, and a preset value the user's choice makes impossible is
-    dropped. Returns (the values added, one line per value dropped and why)."""
-    if settings.get("model", EMBEDDED_MODEL) != EMBEDDED_MODEL or settings.get("algorithm", "es") != "es":
-        return {}, []  # the preset is ES's
-    preset = {name: value for name, value in DEMO_PRESET.items() if name not in settings}
-    reasons = []
-    if settings.get("engine", "transformers") != "transformers":
-        reasons.append((f"--engine {settings['engine']}", ("noise", "rank", "population_batching"),
-                        "measured on the transformers engine; on vLLM, --noise lowrank serves members as LoRA "
-                        "adapters of the linear layers only: ask for it"))
-    lora = settings.get("lora_r") or settings.get("lora_adapter")
-    if lora:  # LoRA-ES: the adapter is small, its full-rank noise batches per member (esft.engines.adapter_population)
-        reasons.append(("--lora-r" if settings.get("lora_r") else "--lora-adapter", ("noise", "rank"),
-                        "LoRA-ES perturbs the adapter with the paper's i.i.d. noise, still batched"))
-    if settings.get("noise", "lowrank") != "lowrank":  # full-rank members still batch, each with its own weights;
-        preset.pop("rank", None)  # the rank means nothing to them (and the preset's is ESConfig's default): nothing to say
-    if settings.get("population_batching") is False:
-        reasons.append(("--no-population-batching", (), ""))
-    dropped = []
-    for flag, names, why in reasons:
-        gone = [name for name in names if preset.pop(name, None) is not None]
-        if gone:
-            dropped.append(f"{flag} turns off the demo preset's {', '.join(_flags(gone))} ({why})")
-    return preset, dropped
 
 
 def _add_report_parser(commands) -> None:
@@ -166,15 +141,6 @@ def _add_serve_reward(commands) -> None:
     ):
         sub.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]",
                          choices=DTYPE_NAMES if flag == "--dtype" else None)
-
-
-def _flags(names) -> list[str]:
-    return [f"--{name.replace('_', '-')}" for name in names]
-
-
-def preset_flags(preset: dict[str, Any]) -> str:
-    """{'noise': 'lowrank', 'population_batching': True} -> '--noise lowrank --population-batching'."""
-    return " ".join(flag + ("" if value is True else f" {value}") for flag, value in zip(_flags(preset), preset.values()))
 
 
 def join_negative_numbers(argv: list[str]) -> list[str]:
@@ -289,6 +255,7 @@ def resolve_config(command: str, given: dict[str, Any]):
 
 
 def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
+    from esft.tasks.selection import overlap_line  # the task's data is loaded by now
     for key, value in final.items():
         if key.startswith("eval/") and key.endswith("/accuracy"):
             before = trainer.initial_metrics.get(key)
@@ -303,6 +270,8 @@ def _print_summary(trainer, config: ESConfig, final: dict[str, float]) -> None:
             splits.setdefault(parts[1], []).append(f"{parts[2]} {value:.4g}")
     for split, items in splits.items():
         print(f"{split}: {', '.join(items)}")
+    if config.iterations and (line := overlap_line(trainer.task)) and line.startswith("warning"):
+        print(line)  # said before training too, where the lines of a long run bury it
     if final.get("reward/failures_total"):
         print(f"reward failures: {final['reward/failures_total']} samples got the failure reward (see above)")
     print(f"run directory: {trainer.run_dir}")

@@ -77,10 +77,18 @@ def waiting(key: str, text: str | None) -> None:
 
 
 def report_accuracy(when: str, metrics: dict[str, float]) -> None:
-    """`<split> accuracy before|after: x%`, one line per split, each on a line of its own."""
-    for key, value in metrics.items():
-        if key.startswith("eval/") and key.endswith("/accuracy") and key.count("/") == 2:
-            print(f"{key.split('/')[1]} accuracy {when}: {100 * value:.1f}%", file=sys.stderr, flush=True)
+    """`<split> accuracy before|after: x% (reward r)`, or `<split> reward before|after: r` for a task
+    without accuracy (the user's own reward), one line per split, each on a line of its own."""
+    splits = dict.fromkeys(key.split("/")[1] for key in metrics if key.startswith("eval/") and key.count("/") == 2)
+    for split in splits:
+        accuracy, reward = metrics.get(f"eval/{split}/accuracy"), metrics.get(f"eval/{split}/reward")
+        if accuracy is not None:
+            line = f"{split} accuracy {when}: {100 * accuracy:.1f}%" + (f" (reward {reward:.4g})" if reward is not None else "")
+        elif reward is not None:
+            line = f"{split} reward {when}: {reward:.4g}"
+        else:
+            continue
+        print(line, file=sys.stderr, flush=True)
 
 
 def progress_bar(total: int, initial: int = 0, desc: str = "ES", unit: str = "it", enabled: bool = True,

@@ -11,7 +11,7 @@ from typing import Any
 from esft.es import schedules, strategy
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
-from esft.settings.config import ConfigError, ESConfig, model_path
+from esft.settings.config import ConfigError, ESConfig, es_config, model_path
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
@@ -63,7 +63,7 @@ class ESTrainer:
         accuracy_func: RewardFunc | None = None,
         run: RunDir | None = None,
     ):
-        self.args = args = args if args is not None else ESConfig()
+        self.args = args = es_config(args)  # TRL's GRPOConfig: a TypeError mapping its fields
         self.task = self._build_task(reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func)
         if args.iterations > 0 and not self.task.train_dataset:
             raise TaskError("training needs a train dataset (or --iterations 0 to only evaluate)")

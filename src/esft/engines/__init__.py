@@ -24,6 +24,14 @@ def check_device(device: str) -> None:
         raise ConfigError("device", f"{device} asked for, but there are {torch.cuda.device_count()} CUDA devices")
 
 
+def check_hub_id(path: str) -> None:
+    """ConfigError at once when a model name is no path here and, as a hub id, cannot be had (esft.models.hub)."""
+    from esft.models.hub import hub_problem
+
+    if (problem := hub_problem(path)) is not None:
+        raise ConfigError("model", problem)
+
+
 def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> Engine:
     """The engine --engine names, loaded from `model` (hub id, directory, 'embedded', None = --model),
     or a transformers engine around an already loaded model, or `model` itself if it is an engine.
@@ -49,9 +57,12 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
             raise ConfigError("trainable", str(error)) from None
     path = model_path(args, model)
     check_device(args.device)
+    check_hub_id(path)
     with loading_errors(args, model):
         if args.engine == "vllm":
             try:
+                import vllm  # noqa: F401 - esft.engines.vllm_engine imports it only when the engine starts
+
                 from esft.engines.vllm_engine import VLLMEngine
             except ImportError as error:
                 raise ConfigError(

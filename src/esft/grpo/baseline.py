@@ -30,8 +30,8 @@ from typing import Any
 
 from esft.es import strategy
 from esft.runs.checkpoint import CheckpointError, save_checkpoint
-from esft.settings.config import ConfigError, ESConfig, model_path
-from esft.engines import check_device, loading_errors
+from esft.settings.config import ConfigError, ESConfig, es_config, model_path
+from esft.engines import check_device, check_hub_id, loading_errors
 from esft.engines.trained_model import TrainedModelEngine
 from esft.grpo.trl_trainer import ROW_COLUMN, STAGING_DIR, TRL_DIR, TRLCheckpointFiles, build_trl_trainer, require_trl
 from esft.rewards.runner import RewardFunc, Scores
@@ -53,7 +53,7 @@ class GRPOBaseline(ESTrainer):
 
     def __init__(self, model: Any = None, reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
                  args: ESConfig | None = None, **kwargs: Any):
-        args = args if args is not None else ESConfig(algorithm="grpo")
+        args = es_config(args, algorithm="grpo")
         if args.algorithm != "grpo":
             raise ConfigError("algorithm", f"GRPOBaseline trains with --algorithm grpo, got {args.algorithm!r} "
                               "(ESTrainer runs es)")
@@ -77,6 +77,7 @@ class GRPOBaseline(ESTrainer):
                     raise ConfigError("model", "a loaded model needs its tokenizer: pass processing_class=tokenizer")
                 return TrainedModelEngine(model, processing_class, **options)
             check_device(args.device)
+            check_hub_id(model_path(args, model))
             return TrainedModelEngine.from_pretrained(model_path(args, model), dtype=args.dtype, device=args.device,
                                                       **options)
 

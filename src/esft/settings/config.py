@@ -11,10 +11,11 @@ from typing import Any
 from esft.models.gguf import converted_folder, is_gguf
 from esft.settings.fields import GROUPS, _in
 from esft.settings.variants import VariantFields, check_variants
-from esft.settings.trl_names import unknown_setting
+from esft.settings.trl_names import not_an_esconfig, unknown_setting
 from esft.settings.rules import (
     CHOICES,
     EMBEDDED_MODEL,
+    GRPO_ONLY,
     ConfigError,
     check,
     is_adapter_dir,
@@ -23,14 +24,24 @@ from esft.settings.rules import (
     split_list,
 )
 
-__all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "model_path",
-           "split_list"]
+__all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "es_config",
+           "is_demo", "model_path", "split_list"]
 
 # The demo's speed preset: on the embedded model, low-rank noise with the whole population in one batched
 # generate call (--mini-batch-size auto: all 32 prompts × 30 members, 960 rows, on CPU) is the fastest
 # setting measured to keep the demo's accuracy gain (docs/benchmarks.md). `esft train` adds it as defaults
-# on the embedded model (esft.cli.demo_preset_for); ESConfig's own defaults stay the paper's.
+# on the demo, the embedded model on its Countdown task (esft.cli.demo_preset_for); the user's own data or
+# reward on the embedded model, and ESConfig's own defaults, stay the paper's.
 DEMO_PRESET = {"noise": "lowrank", "rank": 1, "population_batching": True}
+USERS_OWN = ("train_data", "eval_data", "reward_funcs", "reward_model", "reward_url")
+"""Settings that make a run on the embedded model the user's own, not the demo."""
+
+
+def is_demo(settings: dict[str, Any]) -> bool:
+    """Whether settings (the given ones, by name) are the demo's: ES on the embedded model and its Countdown
+    task, with no data or reward of the user's."""
+    return (settings.get("model", EMBEDDED_MODEL) == EMBEDDED_MODEL and settings.get("algorithm", "es") == "es"
+            and settings.get("task", "countdown") == "countdown" and not any(settings.get(name) for name in USERS_OWN))
 
 
 def embedded_model_path() -> Path:
@@ -121,6 +132,16 @@ class ESConfig(VariantFields):
         return dataclasses.asdict(self)
 
 
+def es_config(args: Any, **defaults: Any) -> ESConfig:
+    """A trainer's `args`: an ESConfig as it is, None as ESConfig(**defaults); anything else (TRL's
+    GRPOConfig, the first thing a TRL user passes) is a TypeError saying how its fields map to ESConfig's."""
+    if args is None:
+        return ESConfig(**defaults)
+    if not isinstance(args, ESConfig):
+        raise TypeError(not_an_esconfig(args))
+    return args
+
+
 _DATACLASS_INIT = ESConfig.__init__
 
 
@@ -134,6 +155,9 @@ def _init_naming_unknown_settings(self, *args: Any, **kwargs: Any) -> None:
     for name in kwargs:
         if name not in known:  # TRL's name for an esft setting: say which (esft.settings.trl_names)
             raise UnknownSetting(name, unknown_setting(name, known).removeprefix(f"--{name.replace('_', '-')} "))
+    # TRL's settings named in an ES config are refused at any value, TRL's defaults too (num_generations=8);
+    # a recorded config (config.yaml, a checkpoint's, dataclasses.replace) names all of them and is not refused
+    self._typed_grpo = () if set(GRPO_ONLY) <= set(kwargs) else tuple(name for name in GRPO_ONLY if name in kwargs)
     _DATACLASS_INIT(self, *args, **kwargs)
 
 

@@ -186,8 +186,9 @@ def _check_algorithm(config) -> None:
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(name, f"must be >= 1 (or left unset for no limit), got {getattr(config, name)}")
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    typed = getattr(config, "_typed_grpo", ()) if config.algorithm != "grpo" else ()  # esft.settings.config
     changed = [name for name in (ES_ONLY if config.algorithm == "grpo" else GRPO_ONLY)
-               if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name])]
+               if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]) or name in typed]
     if changed and config.algorithm == "grpo":
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
         if changed[0] == "optimizer":

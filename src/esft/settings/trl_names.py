@@ -4,7 +4,9 @@ README "Coming from TRL" lists these and the TRL names esft takes as they are.""
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import re
 
 RENAMED = {
     "max_completion_length": "--max-tokens (new tokens per completion)",
@@ -55,3 +57,58 @@ def unknown_setting(name: str, known: list[str] | tuple[str, ...] = ()) -> str:
     if close:
         return f"unknown setting {name!r}; did you mean --{close[0].replace('_', '-')}?"
     return f"unknown setting {name!r}; see 'esft train --help' for the settings"
+
+
+SAME_VALUE = {"max_steps": "iterations", "max_completion_length": "max_tokens", "save_steps": "save_every",
+              "eval_steps": "eval_every", "per_device_eval_batch_size": "eval_batch_size", "adam_epsilon": "adam_eps",
+              "output_dir": "output_dir", "seed": "seed", "reward_weights": "reward_weights"}
+"""GRPOConfig fields whose value an ESConfig field takes as it is."""
+SWITCHES = {"bf16": "dtype='bfloat16'", "fp16": "dtype='float16'", "use_cpu": "device='cpu'", "use_vllm": "engine='vllm'"}
+"""GRPOConfig's on/off fields: the ESConfig setting each means when on."""
+
+
+def not_an_esconfig(args: object) -> str:
+    """The message for ESTrainer(args=...) given something else than an ESConfig: for TRL's GRPOConfig
+    (any transformers TrainingArguments), the fields the user changed, in ESConfig's names."""
+    kind = type(args).__name__
+    if not dataclasses.is_dataclass(args) or not hasattr(args, "max_steps"):
+        return f"args must be an esft.ESConfig, got {kind}: ESConfig(...) takes the esft train flags as keywords"
+    copied, counterparts, unused = [], [], []
+    for name, value in _changed(args).items():
+        if name in SAME_VALUE:
+            copied.append(f"{SAME_VALUE[name]}={value!r}")
+        elif name in SWITCHES:
+            copied += [SWITCHES[name]] if value else []
+        elif name in ES_EQUIVALENTS or name == "temperature" or name in RENAMED:
+            text = ES_EQUIVALENTS.get("rollout_temperature" if name == "temperature" else name) or RENAMED[name]
+            (unused if text.startswith("nothing") else counterparts).append(f"{name}={value!r} -> {_python(text)}")
+    parts = [f"args is TRL's {kind}, not an esft.ESConfig: build esft.ESConfig(...), whose keywords are the esft "
+             "train flags (ESConfig(algorithm='grpo', ...) runs TRL's GRPO through esft)"]
+    if copied:
+        parts.append(f"Yours that carry over: ESConfig({', '.join(copied)})")
+    if counterparts:
+        parts.append(f"No value to copy, ES's counterpart instead: {'; '.join(counterparts)}")
+    if unused:
+        parts.append(f"Not needed: {'; '.join(unused)}")
+    return ". ".join(parts)
+
+
+def _changed(args: object) -> dict[str, object]:
+    """The dataclass fields of `args` that differ from their defaults (falsy report_to values are "none")."""
+    changed = {}
+    for field in dataclasses.fields(args):
+        if field.default is not dataclasses.MISSING:
+            default = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            default = field.default_factory()
+        else:
+            continue
+        value = getattr(args, field.name, default)
+        if value != default and not (field.name == "report_to" and value in ([], "none", ["none"])):
+            changed[field.name] = value
+    return changed
+
+
+def _python(text: str) -> str:
+    """'--max-tokens (...)' -> 'max_tokens (...)': a flag as ESConfig's keyword."""
+    return re.sub(r"--([a-z][a-z-]*)", lambda match: match.group(1).replace("-", "_"), text)

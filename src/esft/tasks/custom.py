@@ -173,7 +173,8 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
     """The ESTrainer(reward_funcs=..., train_dataset=..., eval_dataset=...) task. Reward functions
     may be callables, "module:function" strings or, as in TRL, reward model directories / hub ids
     (loaded on `reward_model_device`). A DatasetDict (or dict of splits) as `train_dataset` trains on
-    its `train` split (its only split, if it has one), as --train-data does."""
+    its `train` split (its only split, if it has one) and, without `eval_dataset`, evaluates its other
+    splits, as --train-data does."""
     if reward_funcs is None:
         raise TaskError("reward_funcs is required when train_dataset or eval_dataset is given")
     funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
@@ -182,12 +183,15 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
         accuracy_func = load_callable(accuracy_func, "accuracy_func")
     if reward_weights is not None and len(reward_weights) != len(funcs):
         raise TaskError(f"reward_weights has {len(reward_weights)} values for {len(funcs)} reward functions")
+    eval_where = "eval_dataset"
     if isinstance(train_dataset, Mapping):  # load_dataset(...) returns a DatasetDict
-        train_dataset = _train_of(train_dataset)
+        splits, (name, train_dataset) = train_dataset, _train_of(train_dataset)
+        if eval_dataset is None and len(splits) > 1:  # its other splits are the evaluation splits, as with --train-data
+            eval_dataset, eval_where = {split: rows for split, rows in splits.items() if split != name}, "train_dataset"
     single = eval_dataset is not None and not isinstance(eval_dataset, Mapping)
     # one eval dataset: reported under its own split name (load_dataset(...)["test"] -> eval/test/...), else heldout
     label = str(getattr(eval_dataset, "split", None) or "heldout") if single else "eval"
-    evals = {split: with_prompts(rows, prompt_column, prompt_template, f"eval_dataset[{split!r}]")
+    evals = {split: with_prompts(rows, prompt_column, prompt_template, f"{eval_where}[{split!r}]")
              for split, rows in _eval_splits(eval_dataset, label).items()}
     train_dataset = with_prompts(train_dataset, prompt_column, prompt_template, "train_dataset") if train_dataset is not None else []
     task = Task("custom", train_dataset, evals, funcs,
@@ -196,12 +200,12 @@ def task_from_objects(reward_funcs: Any, train_dataset: Any, eval_dataset: Any, 
     return prepare_task(task, "the given datasets")
 
 
-def _train_of(splits: Mapping) -> Any:
-    """The training split of a dict of splits / DatasetDict: its only split, else 'train'."""
+def _train_of(splits: Mapping) -> tuple[Any, Any]:
+    """The training split of a dict of splits / DatasetDict, and its name: its only split, else 'train'."""
     if len(splits) == 1:
-        return next(iter(splits.values()))
+        return next(iter(splits.items()))
     if "train" in splits:
-        return splits["train"]
+        return "train", splits["train"]
     raise TaskError(f"train_dataset is a DatasetDict (or dict) with splits {', '.join(map(str, splits)) or 'none'} and none "
                     "is named 'train'; pass one split, e.g. train_dataset=data['<split>']")
 

@@ -202,6 +202,20 @@ def _row_list(indices: list[int]) -> str:
     return f"row{'s' if len(indices) > 1 else ''} {shown}" + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
 
 
+def check_tokenizer(tokenizer: Any) -> None:
+    """TaskError when the tokenizer turns text into no tokens: what transformers loads from a model folder
+    without tokenizer files (else every prompt would be reported "empty", as if the data were at fault)."""
+    if tokenizer("Hello, world", add_special_tokens=False)["input_ids"]:
+        return
+    name = str(getattr(tokenizer, "name_or_path", "") or "")
+    if name and Path(name).is_dir():
+        raise TaskError(f"{name}: the model folder has no tokenizer (no tokenizer.json, tokenizer_config.json or vocab "
+                        "files), so transformers made an empty one that turns text into no tokens; save the tokenizer of "
+                        f"the model it was made from into it (AutoTokenizer.from_pretrained(BASE).save_pretrained({name!r}))")
+    raise TaskError(f"the tokenizer {name or type(tokenizer).__name__!r} turns text into no tokens ({len(tokenizer)} tokens "
+                    "in its vocabulary); use the tokenizer the model was trained with")
+
+
 def check_prompts(task: Task, tokenizer: Any, max_length: int | None, max_tokens: int,
                   embedding_rows: int | None = None, feeds_padding: bool = False) -> None:
     """TaskError naming the rows whose prompt has no token, holds a token id the model has no
@@ -212,6 +226,7 @@ def check_prompts(task: Task, tokenizer: Any, max_length: int | None, max_tokens
     process unable to use the GPU."""
     mismatch = ("the tokenizer does not match the model's weights; use the tokenizer saved with the model, or "
                 "resize the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer))) and save both")
+    check_tokenizer(tokenizer)
     pad = tokenizer.pad_token_id
     if feeds_padding and embedding_rows is not None and pad is not None and pad >= embedding_rows:
         raise TaskError(f"the tokenizer's pad token {tokenizer.pad_token!r} is id {pad}, past the model's {embedding_rows} "

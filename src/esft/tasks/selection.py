@@ -64,15 +64,16 @@ def train_eval_overlap(task: Task) -> dict[str, int]:
 
 
 def overlap_line(task: Task) -> str | None:
-    """The one line said before training (None without training or eval data)."""
+    """The one line said before training (None without training or eval data); it starts with "warning: "
+    when eval prompts are training prompts (the CLI repeats it then in its final summary)."""
     if not task.train_dataset or not task.eval_datasets:
         return None
     overlap = task.metadata.get("train_eval_overlap") or train_eval_overlap(task)
     counts = ", ".join(f"{split} {overlap.get(split, 0)} of {len(rows)}" for split, rows in task.eval_datasets.items())
     line = f"eval rows whose prompt is also a training prompt: {counts}"
     if any(overlap.values()):
-        line += (" (those results measure training problems; --train-rows START:STOP and --eval-rows START:STOP "
-                 "take slices of a data file)")
+        line = (f"warning: {line} (those results measure training problems; --train-rows START:STOP and --eval-rows "
+                "START:STOP take slices of a data file)")
     return line
 
 
