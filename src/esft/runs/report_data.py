@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.files import write_text_atomic
+from esft.files import (KIB, METRICS_LIMIT, SETTINGS_LIMIT, YamlTooLarge, load_yaml, read_regular_text,
+                        write_text_atomic)
 from esft.runs.metrics import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -70,8 +72,8 @@ class Run:
         'interrupted' (Ctrl-C, or killed: a run that recorded no end) at iteration k of n."""
         planned = self.config.get("iterations")
         try:
-            recorded = json.loads((self.path / STATUS_FILE).read_text()).get("status")
-        except (OSError, ValueError, AttributeError):
+            recorded = json.loads(read_regular_text(self.path / STATUS_FILE, 64 * KIB)).get("status")
+        except (OSError, ValueError, AttributeError, RecursionError):  # a pipe, a device, a hand edit: no status
             recorded = None
         if recorded in ("stopped: budget", "stopped: error", "interrupted"):
             return f"{recorded} at iteration {self.last_iteration} of {planned}"
@@ -162,11 +164,11 @@ def load_run(path: str | Path) -> Run:
         raise ReportError(f"{path}: not a directory; give a run directory (one holding {METRICS_FILE}, "
                           "e.g. runs/<run-name>)")
     metrics = path / METRICS_FILE
-    if not metrics.is_file():
+    if not os.path.lexists(metrics):  # anything else there is read below, as a regular file only
         raise ReportError(f"{path}: not a run directory (no {METRICS_FILE}); give the directory that "
                           "`esft train` printed as 'run directory'")
     try:
-        lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = read_regular_text(metrics, METRICS_LIMIT, errors="replace").splitlines()
     except OSError as error:
         raise ReportError(f"{metrics}: cannot read it ({error.strerror})") from None
     by_iteration: dict[int, dict[str, Any]] = {}
@@ -188,7 +190,7 @@ def load_run(path: str | Path) -> Run:
 def _parse_row(line: str) -> dict[str, Any] | None:
     try:
         row = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(row, dict) or not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
         return None
@@ -200,8 +202,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        config = load_yaml(read_regular_text(path, SETTINGS_LIMIT))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, YamlTooLarge):
         return {}
     return config if isinstance(config, dict) else {}
 
