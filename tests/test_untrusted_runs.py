@@ -179,3 +179,16 @@ def test_extreme_settings_are_one_line_before_anything_loads(small_run, tmp_path
     one_error_line(esft("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "records no settings")
     one_error_line(esft("train", "--population-size", "1000000000000", cwd=tmp_path), "--population-size: must be <= ")
     assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in small_run.iterdir() if p.name != ".esft.lock")
+
+
+def test_rewards_of_1e308_are_reported_not_a_lost_report(tmp_path):
+    run = tmp_path / "run"  # what a reward function returning ±1e308 leaves in metrics.jsonl
+    run.mkdir()
+    rows = [{"iteration": i, "reward/mean": (-1) ** i * 1e308, "reward/min": -1e308, "reward/max": 1e308,
+             "eval/heldout/accuracy": 0.5} for i in range(4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run / "config.yaml").write_text("iterations: 3\n")
+    proc = esft("report", str(run), cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    page = (run / "report.html").read_text()
+    assert "final reward mean</th><td class=\"num\">-1e+308</td>" in page

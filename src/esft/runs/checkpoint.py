@@ -103,9 +103,6 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is unreadable (nested too deeply: not what esft writes)") from None
     if not isinstance(state, dict) or "iteration" not in state or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"{path} is not an esft trainer state (no iteration/config)")
-    if not state["config"]:
-        raise CheckpointError(f"{path} records no settings (config is empty): esft would resume with defaults that "
-                              "are not the run's; resume from another checkpoint, or start a new run")
     problem = _state_problem(state, checkpoint_number(checkpoint))
     if problem:
         raise CheckpointError(f"{path}: {problem}")

@@ -31,6 +31,9 @@ class InheritedSettingsError(ValueError):
 def settings_of_run(config: dict[str, Any], source: str) -> dict[str, Any]:
     """The settings a resume takes from the run's `config` (read from `source`), or an error naming
     the first one this esft version does not know (a checkpoint of another version)."""
+    if not config:
+        raise InheritedSettingsError(f"{source} records no settings (its config is empty): a resume would train with "
+                                     "defaults that are not the run's; resume from another checkpoint, or start a new run")
     known = {field.name for field in dataclasses.fields(ESConfig)}
     unknown = sorted(str(name) for name in config if name not in known)
     if unknown:

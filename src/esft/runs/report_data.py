@@ -88,6 +88,12 @@ class Run:
         rows = [row for row in (self.rows if rows is None else rows) if key in row]
         return [row["iteration"] for row in rows], [as_float(row[key]) for row in rows]
 
+    def plotted(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
+        """series(), with values beyond ±PLOTTED_LIMIT as NaN (gaps in the curve): matplotlib cannot place
+        ticks on an axis spanning ±1e308 (a reward function returning 1e308 would cost the report)."""
+        iterations, values = self.series(key, rows)
+        return iterations, [v if abs(v) <= PLOTTED_LIMIT else math.nan for v in values]
+
     def budget(self, kind: str) -> tuple[dict[int, float], str] | None:
         """Cumulative training budget ('completions', 'tokens' or 'seconds') at the end of each
         iteration, and where it comes from: the logged `budget/<kind>` when the run recorded it, else
@@ -143,6 +149,10 @@ def applies(key: str, run: Run) -> bool:
 def setting_of(run: Run, key: str) -> Any:
     """The run's value of `key`, '—' when unset, 'n/a (<algorithm>)' when its algorithm has no use for it."""
     return run.config.get(key, "—") if applies(key, run) else f"n/a ({run.algorithm})"
+
+
+PLOTTED_LIMIT = 1e100
+"""The largest magnitude a report's curves draw (tables show every value)."""
 
 
 def as_float(value: Any) -> float:
