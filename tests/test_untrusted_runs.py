@@ -116,6 +116,9 @@ def test_named_pipes_and_devices_in_a_run_never_hang_or_flood_esft(small_run, tm
     (run / "metrics.jsonl").unlink()
     os.mkfifo(run / "metrics.jsonl")
     one_error_line(esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path), "named pipes", "metrics.jsonl")
+    (run / "checkpoint-1" / "model.safetensors").unlink()  # in a checkpoint: whatever loads it would hang
+    os.mkfifo(run / "checkpoint-1" / "model.safetensors")
+    one_error_line(esft("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "model.safetensors is a named pipe")
     fresh = tmp_path / "fresh"  # a run without checkpoints: its config.yaml is read first
     fresh.mkdir()
     os.mkfifo(fresh / "config.yaml")

@@ -141,6 +141,9 @@ def verify(checkpoint: Path) -> str | None:
         state = read_state(checkpoint)
     except CheckpointError as error:
         return str(error)
+    special = next((p for p in sorted(checkpoint.rglob("*")) if not (p.is_symlink() or p.is_file() or p.is_dir())), None)
+    if special is not None:  # a named pipe would hang whatever reads it (transformers, safetensors), a device flood it
+        return f"{special} is a named pipe, socket or device; a checkpoint holds regular files only"
     files = state.get("files")
     if files is None:  # an older checkpoint: the files that must be there
         if not list(checkpoint.glob("model*.safetensors")):
