@@ -262,7 +262,8 @@ def test_a_grpo_reward_that_breaks_mid_run_stops_with_a_checkpoint_to_resume(tin
     assert json.loads((run / "checkpoint-1" / "trl" / "trainer_state.json").read_text())["global_step"] == 1
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1]
     (tmp_path / "fixed").touch()
-    resumed, _ = esft("train", "--resume", "runs/r", "--reward-funcs", "rewards.py:flaky", cwd=tmp_path, timeout=300)
+    resumed, _ = esft("train", "--resume", "runs/r", "--reward-funcs", "rewards.py:flaky", "--train-data", str(data),
+                      cwd=tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
 

@@ -191,8 +191,9 @@ def test_cli_run_exports_an_adapter_and_a_merged_model_with_the_engines_logits(c
 
 
 def test_eval_of_the_adapter_the_run_and_the_merged_model_agree(cli_run, lively_model_dir, data_dir, tmp_path, capsys):
-    common = ["--eval-data", str(data_dir / "eval.jsonl"), "--reward-funcs", f"{TESTS / 'toy_task.py'}:byte_reward",
-              "--no-reward-sandbox", "--max-tokens", "6", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path)]
+    common = ["--train-data", str(data_dir / "train.jsonl"), "--eval-data", str(data_dir / "eval.jsonl"),  # named again:
+              "--reward-funcs", f"{TESTS / 'toy_task.py'}:byte_reward", "--no-reward-sandbox",  # never taken silently
+              "--max-tokens", "6", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path)]
     lines = {}
     for name, model in (("adapter", ["--model", str(lively_model_dir), "--lora-adapter", str(cli_run / "final")]),
                         ("run", ["--model", str(cli_run / "final")]), ("merged", ["--model", str(cli_run / "final-merged")]),

@@ -143,7 +143,7 @@ def test_a_resume_never_imports_reward_code_named_by_the_checkpoint(small_run, t
     assert not marker.exists() and not list(run.glob("superseded-*"))
     # the explicit opt-in loads it, and says so
     proc = esft("train", "--resume", str(run), "--iterations", "3", "--trust-run-code", cwd=tmp_path)
-    assert marker.exists() and f"--trust-run-code: loading the code that --resume {run} names" in proc.stderr
+    assert marker.exists() and f"--trust-run-code: taking the code, data and services that --resume {run} names" in proc.stderr
     # a run's own config.yaml (a run killed before its first checkpoint) is no different
     fresh = tmp_path / "fresh"
     fresh.mkdir()

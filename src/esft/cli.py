@@ -18,7 +18,7 @@ from esft.sigma_scan import SCAN_OPTIONS, SCAN_SUMMARY, add_scan_arguments, run_
 from esft.settings.config import DEMO_PRESET, GROUPS, ConfigError, ESConfig
 from esft.settings.demo import demo_preset_for, preset_flags
 from esft.runs.eval_origin import run_settings_of, settings_line
-from esft.runs.inherited import InheritedSettingsError, check_inherited_code, settings_of_run
+from esft.runs.inherited import InheritedSettingsError, check_inherited, settings_of_run
 from esft.settings.trl_names import unknown_setting
 
 USER_ERROR = 2
@@ -157,10 +157,14 @@ def join_negative_numbers(argv: list[str]) -> list[str]:
 def _read_yaml(path: str) -> dict[str, Any]:
     import yaml
 
+    from esft.files import SETTINGS_LIMIT, YamlTooLarge, load_yaml, read_regular_text
+
     try:
-        data = yaml.safe_load(Path(path).expanduser().read_text(encoding="utf-8")) or {}
+        data = load_yaml(read_regular_text(Path(path).expanduser(), SETTINGS_LIMIT, follow_links=True)) or {}
     except OSError as error:
         raise UserError(f"--config {path}: cannot read it ({error.strerror})") from None
+    except YamlTooLarge as error:
+        raise UserError(f"--config {path}: refused ({error})") from None
     except UnicodeDecodeError as error:
         raise UserError(f"--config {path}: not UTF-8 text (byte {error.start}); save it as UTF-8") from None
     except yaml.YAMLError as error:
@@ -235,11 +239,11 @@ def resolve_config(command: str, given: dict[str, Any]):
         where = f"--lora-adapter {adapter}" if adapter and Path(adapter).expanduser() == path else f"--model {model}"
         overridden = set(from_yaml) | set(given)
         settings |= inherited
-        shown = ", ".join(f"{k}={v}" for k, v in inherited.items() if k not in overridden and v is not None)
+        shown = ", ".join(f"{k}={str(v)[:200]}" for k, v in inherited.items() if k not in overridden and v is not None)
         print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
-    if inherited:  # a directory's settings import no code by themselves (esft.runs.inherited)
-        check_inherited_code(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where)
+    if inherited:  # a directory's settings import no code, read no data, reach no service by themselves (esft.runs.inherited)
+        check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where)
     preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
     for line in dropped:
         print(f"esft: {line}", file=sys.stderr)

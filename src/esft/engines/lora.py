@@ -35,6 +35,7 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from esft.files import SETTINGS_LIMIT, read_regular_text
 from esft.settings.config import EMBEDDED_MODEL, ConfigError, ESConfig, embedded_model_path, model_path, split_list
 from esft.settings.rules import is_adapter_dir
 from esft.engines.base import NoTrainableParameters, resolve_device, torch_dtype
@@ -64,10 +65,10 @@ def base_of(adapter_dir: str | Path) -> str:
     trainer_state.json), else PEFT's base_model_name_or_path."""
     adapter_dir = Path(adapter_dir).expanduser()
     try:
-        config = json.loads((adapter_dir / "trainer_state.json").read_text(encoding="utf-8"))["config"]
+        config = json.loads(read_regular_text(adapter_dir / "trainer_state.json", SETTINGS_LIMIT))["config"]
         base = str(embedded_model_path()) if config["model"] == EMBEDDED_MODEL else config["model"]
-    except (OSError, ValueError, KeyError, TypeError):
-        base = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        base = json.loads(read_regular_text(adapter_dir / "adapter_config.json", SETTINGS_LIMIT)).get("base_model_name_or_path")
     if not base:
         raise ConfigError("model", f"{adapter_dir} does not say which base model it adapts (no base_model_name_or_path "
                           "in adapter_config.json); pass the base as --model and the adapter as --lora-adapter")

@@ -22,7 +22,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from esft.files import directory_digests, directory_written_atomically, file_digest, write_text_atomic
+from esft.files import (SETTINGS_LIMIT, directory_digests, directory_written_atomically, file_digest, read_regular_text,
+                        write_text_atomic)
 
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
@@ -95,9 +96,11 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     """The trainer state stored in a checkpoint (CheckpointError if unreadable)."""
     path = Path(checkpoint) / STATE_FILE
     try:
-        state = json.loads(path.read_text(encoding="utf-8"))
+        state = json.loads(read_regular_text(path, SETTINGS_LIMIT))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CheckpointError(f"{path} is unreadable ({error})") from None
+        raise CheckpointError(f"{path} is unreadable ({_short(error, 200)})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is unreadable (nested too deeply: not what esft writes)") from None
     if not isinstance(state, dict) or "iteration" not in state or not isinstance(state.get("config"), dict):
         raise CheckpointError(f"{path} is not an esft trainer state (no iteration/config)")
     problem = _state_problem(state, checkpoint_number(checkpoint))
@@ -125,9 +128,9 @@ def _state_problem(state: dict[str, Any], number: int | None) -> str | None:
     return None
 
 
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value) if not isinstance(value, BaseException) else str(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def verify(checkpoint: Path) -> str | None:
@@ -138,6 +141,9 @@ def verify(checkpoint: Path) -> str | None:
         state = read_state(checkpoint)
     except CheckpointError as error:
         return str(error)
+    special = next((p for p in sorted(checkpoint.rglob("*")) if not (p.is_symlink() or p.is_file() or p.is_dir())), None)
+    if special is not None:  # a named pipe would hang whatever reads it (transformers, safetensors), a device flood it
+        return f"{special} is a named pipe, socket or device; a checkpoint holds regular files only"
     files = state.get("files")
     if files is None:  # an older checkpoint: the files that must be there
         if not list(checkpoint.glob("model*.safetensors")):

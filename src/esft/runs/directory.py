@@ -32,7 +32,8 @@ from typing import Any
 
 from esft.runs.checkpoint import STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state, verify
 from esft.settings.config import ConfigError, ESConfig
-from esft.files import write_text_atomic
+from esft.files import (METRICS_LIMIT, SETTINGS_LIMIT, YamlTooLarge, load_yaml, read_regular_text,
+                        write_text_atomic)
 from esft.runs.metrics import METRICS_FILE
 
 LOCK_FILE = ".esft.lock"
@@ -82,20 +83,29 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         skipped.append(problem)
     if skipped:
         raise ResumeError(f"no checkpoint of {path} is intact ({'; '.join(skipped)})")
-    config = _read_config(path)
-    if config is None:
+    if not os.path.lexists(path / CONFIG_FILE):
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory (no checkpoint-<N>, no {CONFIG_FILE})")
-    return ResumePoint(path, None, 0, config)
+    return ResumePoint(path, None, 0, read_run_yaml(path / CONFIG_FILE))
 
 
-def _read_config(run_dir: Path) -> dict[str, Any] | None:
+def read_run_yaml(path: Path) -> dict[str, Any]:
+    """A run's config.yaml as a non-empty mapping of settings (read as a regular file of bounded size,
+    aliases within a budget: esft.files), or ResumeError saying why not."""
     import yaml
 
     try:
-        config = yaml.safe_load((run_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
-        return None
-    return config if isinstance(config, dict) else None
+        config = load_yaml(read_regular_text(path, SETTINGS_LIMIT))
+    except OSError as error:
+        raise ResumeError(f"{path} cannot be read ({error.strerror})") from None
+    except UnicodeDecodeError as error:
+        raise ResumeError(f"{path} is not UTF-8 text (byte {error.start})") from None
+    except (yaml.YAMLError, YamlTooLarge) as error:
+        problem = " ".join(str(error).split())
+        raise ResumeError(f"{path} is not valid YAML ({problem[:200]})") from None
+    if not isinstance(config, dict) or not config:
+        raise ResumeError(f"{path} records no settings (a mapping of setting: value); resume a run that esft wrote, "
+                          "or start a new run")
+    return config
 
 
 def default_run_name(args: ESConfig) -> str:
@@ -216,13 +226,26 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
 
 
 def _refuse_links(path: Path) -> None:
-    """A resumed run writes into its directory (metrics rows appended, evaluation files, events): a
-    symbolic link there (a copied or downloaded run) would have those writes land elsewhere."""
-    entries = [*path.iterdir(), *((path / "eval").iterdir() if (path / "eval").is_dir() else ())]
-    links = [str(entry.relative_to(path)) for entry in entries if entry.is_symlink()]
-    if links:
-        raise ConfigError("resume", f"{path} holds symbolic links ({', '.join(sorted(links)[:3])}), which esft never "
-                          "writes: a resumed run would write through them; remove them, then resume")
+    """A resumed run writes into its directory (metrics rows appended, evaluation files, events) and
+    reads it: a symbolic or hard link there (a copied or downloaded run) would have those writes land
+    elsewhere, a named pipe or a device would hang or flood the reads."""
+    entries = [*path.iterdir(), *((path / "eval").rglob("*") if (path / "eval").is_dir() else ())]
+    links, hard, special = [], [], []
+    for entry in entries:
+        info = entry.lstat()
+        name = str(entry.relative_to(path))
+        if stat.S_ISLNK(info.st_mode):
+            links.append(name)
+        elif stat.S_ISREG(info.st_mode) and info.st_nlink > 1:
+            hard.append(name)
+        elif not stat.S_ISREG(info.st_mode) and not stat.S_ISDIR(info.st_mode):
+            special.append(name)
+    for found, what in ((links, "symbolic links"), (hard, "hard links"),
+                        (special, "named pipes, sockets or devices")):
+        if found:
+            raise ConfigError("resume", f"{path} holds {what} ({', '.join(sorted(found)[:3])}), which esft never "
+                              "writes: a resumed run would write through them (a hard link names a file elsewhere "
+                              "too) or hang on them; remove them (or copy the files into place), then resume")
 
 
 def _remove_stale_temporaries(path: Path) -> None:
@@ -280,10 +303,10 @@ def _split_metrics(metrics: Path, iteration: int) -> tuple[list[str], list[str]]
     if not metrics.is_file():
         return [], []
     kept, dropped = [], []
-    for line in metrics.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in read_regular_text(metrics, METRICS_LIMIT, errors="replace").splitlines():
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             row = None
         number = row.get("iteration") if isinstance(row, dict) else None
         (kept if isinstance(number, int) and number <= iteration else dropped).append(line)

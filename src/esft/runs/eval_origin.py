@@ -34,13 +34,12 @@ def _config_of(path: Path) -> dict[str, Any] | None:
             return found
         config_file = path.parent / "config.yaml"
         if config_file.is_file():
-            import yaml
+            from esft.runs.directory import ResumeError, read_run_yaml
 
             try:
-                config = yaml.safe_load(config_file.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, yaml.YAMLError):
+                return read_run_yaml(config_file)
+            except ResumeError:
                 return None
-            return config if isinstance(config, dict) else None
     return None
 
 

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from esft.files import write_text_atomic
+from esft.files import METRICS_LIMIT, open_for_append, read_regular_text, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -49,7 +49,7 @@ class MetricsLogger:
         esft.runs.directory has set aside the rows after the resume point)."""
         budget = {"completions": 0, "tokens": 0, "seconds": 0.0}
         if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            for line in self._text().splitlines():
                 row = _row(line)
                 if row is not None and "budget/completions" in row:
                     budget = {key: row.get(f"budget/{key}", budget[key]) for key in budget}
@@ -59,11 +59,14 @@ class MetricsLogger:
         """The last row already logged for `iteration` (None if there is none)."""
         found = None
         if self.path.exists():
-            for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            for line in self._text().splitlines():
                 row = _row(line)
                 if row is not None and row.get("iteration") == iteration:
                     found = row
         return found
+
+    def _text(self) -> str:
+        return read_regular_text(self.path, METRICS_LIMIT, errors="replace")
 
     def log(self, row: dict[str, Any]) -> None:
         """Write one row (must hold `iteration`): appended with one write call and flushed, or, when
@@ -71,13 +74,13 @@ class MetricsLogger:
         or before a resumed run's final evaluation), merged into that row (the file rewritten
         atomically): one row per iteration, the same keys as an uninterrupted run's."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in row.items()}
-        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines() if self.path.exists() else []
+        lines = self._text().splitlines() if self.path.exists() else []
         last = _row(lines[-1]) if lines else None
         if last is not None and last.get("iteration") == clean["iteration"]:
             clean = {k: v for k, v in clean.items() if last.get(k) != v or k == "iteration"}  # only what is new
             write_text_atomic(self.path, "".join(line + "\n" for line in lines[:-1]) + json.dumps(last | clean) + "\n")
         else:
-            with open(self.path, "a") as handle:
+            with open_for_append(self.path) as handle:
                 handle.write(json.dumps(clean) + "\n")
                 handle.flush()
         step = row["iteration"]
@@ -100,6 +103,6 @@ def _row(line: str) -> dict[str, Any] | None:
     """A metrics.jsonl line as a dict, None for a blank, torn or foreign line."""
     try:
         row = json.loads(line)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     return row if isinstance(row, dict) else None

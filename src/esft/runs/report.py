@@ -177,9 +177,9 @@ def _reward_figure(runs: list[Run], labels: dict[str, str], colors: dict[str, st
     figure.set_size_inches(9, 4.2)
     for run in runs:
         rows = run.iteration_rows
-        iterations, mean = run.series("reward/mean", rows)
-        _, low = run.series("reward/min", rows)
-        _, high = run.series("reward/max", rows)
+        iterations, mean = run.plotted("reward/mean", rows)
+        _, low = run.plotted("reward/min", rows)
+        _, high = run.plotted("reward/max", rows)
         axis.plot(iterations, mean, color=colors[run.name], marker="o", markersize=3, label=labels[run.name],
                   gid=f"{run.name}|reward/mean")
         # GRPO's min–max is over single completions, ES's over members' means: not one band's scale
@@ -211,7 +211,7 @@ def _held_out_figure(runs: list[Run], keys: list[str], labels: dict[str, str], c
             axis.set_visible(False)
         for axis, x_name in zip(key_axes, axes_x):
             for run in runs:
-                iterations, values = run.series(key)
+                iterations, values = run.plotted(key)
                 if x_name != "iteration":
                     spent = (budgets[run.name][x_name] or ({}, ""))[0]
                     iterations, values = [spent[i] for i in iterations if i in spent], [
@@ -233,7 +233,7 @@ def _grid_figure(runs: list[Run], keys: list[str], titles: list[str], labels: di
     figure, axes = _new_figure(len(keys))
     for axis, key, title in zip(axes[0], keys, titles):
         for run in runs:
-            iterations, values = run.series(key, run.iteration_rows)
+            iterations, values = run.plotted(key, run.iteration_rows)
             axis.plot(iterations, values, color=colors[run.name], marker="o", markersize=3, gid=f"{run.name}|{key}")
         axis.set(xlabel="iteration", title=title)
     return _finish(figure, labels, runs, colors)
@@ -364,7 +364,7 @@ def _median(values: list[float]) -> float:
 def _number(value: float) -> str:
     if math.isnan(value):
         return "—"
-    if float(value).is_integer() and abs(value) >= 1000:
+    if float(value).is_integer() and 1000 <= abs(value) < 1e15:  # beyond: 1e+308, not 309 digits
         return f"{int(value):,}"
     return f"{value:.4g}"
 

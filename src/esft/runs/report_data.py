@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.files import write_text_atomic
+from esft.files import (KIB, METRICS_LIMIT, SETTINGS_LIMIT, YamlTooLarge, load_yaml, read_regular_text,
+                        write_text_atomic)
 from esft.runs.metrics import METRICS_FILE
 
 CONFIG_FILE = "config.yaml"
@@ -71,8 +73,8 @@ class Run:
         a run that recorded no end) at iteration k of n."""
         planned = self.config.get("iterations")
         try:
-            recorded = json.loads((self.path / STATUS_FILE).read_text()).get("status")
-        except (OSError, ValueError, AttributeError):
+            recorded = json.loads(read_regular_text(self.path / STATUS_FILE, 64 * KIB)).get("status")
+        except (OSError, ValueError, AttributeError, RecursionError):  # a pipe, a device, a hand edit: no status
             recorded = None
         if recorded in ("stopped: budget", "stopped: error", "interrupted"):
             return f"{recorded} at iteration {self.last_iteration} of {planned}"
@@ -88,6 +90,12 @@ class Run:
         """(iterations, values) of `key` over `rows` (default: all rows having it); null → NaN."""
         rows = [row for row in (self.rows if rows is None else rows) if key in row]
         return [row["iteration"] for row in rows], [as_float(row[key]) for row in rows]
+
+    def plotted(self, key: str, rows: list[dict[str, Any]] | None = None) -> tuple[list[int], list[float]]:
+        """series(), with values beyond ±PLOTTED_LIMIT as NaN (gaps in the curve): matplotlib cannot place
+        ticks on an axis spanning ±1e308 (a reward function returning 1e308 would cost the report)."""
+        iterations, values = self.series(key, rows)
+        return iterations, [v if abs(v) <= PLOTTED_LIMIT else math.nan for v in values]
 
     def budget(self, kind: str) -> tuple[dict[int, float], str] | None:
         """Cumulative training budget ('completions', 'tokens' or 'seconds') at the end of each
@@ -146,6 +154,10 @@ def setting_of(run: Run, key: str) -> Any:
     return run.config.get(key, "—") if applies(key, run) else f"n/a ({run.algorithm})"
 
 
+PLOTTED_LIMIT = 1e100
+"""The largest magnitude a report's curves draw (tables show every value)."""
+
+
 def as_float(value: Any) -> float:
     """A logged number as float; null (NaN/inf was logged as null) and non-numbers → NaN."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -165,11 +177,11 @@ def load_run(path: str | Path) -> Run:
         raise ReportError(f"{path}: not a directory; give a run directory (one holding {METRICS_FILE}, "
                           "e.g. runs/<run-name>)")
     metrics = path / METRICS_FILE
-    if not metrics.is_file():
+    if not os.path.lexists(metrics):  # anything else there is read below, as a regular file only
         raise ReportError(f"{path}: not a run directory (no {METRICS_FILE}); give the directory that "
                           "`esft train` printed as 'run directory'")
     try:
-        lines = metrics.read_text(encoding="utf-8", errors="replace").splitlines()
+        lines = read_regular_text(metrics, METRICS_LIMIT, errors="replace").splitlines()
     except OSError as error:
         raise ReportError(f"{metrics}: cannot read it ({error.strerror})") from None
     by_iteration: dict[int, dict[str, Any]] = {}
@@ -191,7 +203,7 @@ def load_run(path: str | Path) -> Run:
 def _parse_row(line: str) -> dict[str, Any] | None:
     try:
         row = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(row, dict) or not isinstance(row.get("iteration"), int) or isinstance(row["iteration"], bool):
         return None
@@ -203,8 +215,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     import yaml
 
     try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        config = load_yaml(read_regular_text(path, SETTINGS_LIMIT))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, YamlTooLarge):
         return {}
     return config if isinstance(config, dict) else {}
 

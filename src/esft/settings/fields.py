@@ -356,10 +356,11 @@ class RunFields:
     # ---- issue 26: what a run directory may hand on (README "Security")
     trust_run_code: bool = _in(
         "logging and checkpoints",
-        "Load the code a resumed run's or an evaluated checkpoint's settings name (--task module:function, "
-        "--reward-funcs) without naming it again. Without it, such code is loaded only when given on the "
-        "command line or in --config; a directory is data, and its settings never import code silently. "
-        "Never inherited from a run's settings.",
+        "Take the code, data files and reward services a resumed run's or an evaluated checkpoint's settings "
+        "name (--task module:function, --reward-funcs, --train-data, --eval-data, --reward-url) without naming "
+        "them again, and say in one line what was taken. Without it, they are taken only when given on the "
+        "command line or in --config; a directory is data, and its settings never import code, read your files "
+        "or send them (and $ESFT_REWARD_API_KEY) to a service silently. Never inherited from a run's settings.",
         default=False,
     )
 

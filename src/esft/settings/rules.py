@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import reprlib
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +31,30 @@ CHOICES = {
 }
 
 
+SHOWN_CHARS = 200
+"""The most characters of a value an error message echoes (a 340-byte YAML can hold 10^9 values)."""
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 8, 8, 8, SHOWN_CHARS, SHOWN_CHARS
+
+
+def shown(value: Any) -> str:
+    """repr(value) for an error message, at most SHOWN_CHARS characters (never the whole of a huge value)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[:SHOWN_CHARS - 3] + "..."
+
+
 class ConfigError(ValueError):
     """An invalid setting; `name` is the field (flag) at fault."""
 
     def __init__(self, name: str, message: str):
         self.name = name
         super().__init__(f"--{name.replace('_', '-')}: {message}")
+
+
+MAXIMUM = {"population_size": (2**24, "EGGROLL's largest populations are 2^20 members"),
+           "batch_size": (2**24, "prompts per iteration"), "iterations": (10**9, "the most a checkpoint records"),
+           "train_size": (10**8, "generated problems held in memory")}
+"""Upper bounds of sizes (each with why), so that a typo is one line, not an allocation of terabytes."""
 
 
 def check(config) -> None:
@@ -55,50 +74,53 @@ def check(config) -> None:
     for name, low in minimum.items():
         if getattr(config, name) is not None and getattr(config, name) < low:
             raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
+    for name, (high, why) in MAXIMUM.items():  # checked before anything loads: beyond them, arrays of terabytes
+        if getattr(config, name) is not None and getattr(config, name) > high:
+            raise ConfigError(name, f"must be <= {high} ({why}), got {shown(getattr(config, name))}")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {config.gpu_memory_utilization}")
     if isinstance(config.mini_batch_size, str) and config.mini_batch_size != "auto":
         if not config.mini_batch_size.isdigit():
-            raise ConfigError("mini_batch_size", f"must be auto or a number of prompts, got {config.mini_batch_size!r}")
+            raise ConfigError("mini_batch_size", f"must be auto or a number of prompts, got {shown(config.mini_batch_size)}")
         config.mini_batch_size = int(config.mini_batch_size)
     for name in ("mini_batch_size", "save_total_limit", "max_model_len", "vllm_max_loras"):
         if isinstance(getattr(config, name), int) and getattr(config, name) < 1:
             raise ConfigError(name, f"must be >= 1 (or left unset), got {getattr(config, name)}")
     for name, allowed in CHOICES.items():
         if getattr(config, name) not in allowed:
-            raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {getattr(config, name)!r}")
+            raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {shown(getattr(config, name))}")
     _check_scale_out(config)
     _check_algorithm(config)
     if config.population_batching not in (True, False, "auto"):
-        raise ConfigError("population_batching", f"must be true, false or auto; got {config.population_batching!r}")
+        raise ConfigError("population_batching", f"must be true, false or auto; got {shown(config.population_batching)}")
     if (config.population_batching is True and config.engine != "transformers" and config.noise != "lowrank"
             and not config.uses_lora()):
         raise ConfigError("population_batching", f"with --engine {config.engine} needs --noise lowrank (members as "
                           "vLLM LoRA adapters); full-rank members run one at a time: drop --population-batching")
     _check_lora(config)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.device):
-        raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {config.device!r}")
+        raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {shown(config.device)}")
     if config.trainable is not None:
         try:
             re.compile(config.trainable)
         except re.error as error:
             raise ConfigError("trainable", f"is not a valid regular expression ({error})") from None
     if config.run_name is not None and (config.run_name in ("", ".", "..") or "/" in config.run_name or "\\" in config.run_name):
-        raise ConfigError("run_name", f"must be a plain directory name (no '/', not '.' or '..'), got {config.run_name!r}")
+        raise ConfigError("run_name", f"must be a plain directory name (no '/', not '.' or '..'), got {shown(config.run_name)}")
     if Path(config.output_dir).exists() and not Path(config.output_dir).is_dir():
-        raise ConfigError("output_dir", f"{config.output_dir!r} is a file, not a directory; pick a directory for runs")
+        raise ConfigError("output_dir", f"{shown(config.output_dir)} is a file, not a directory; pick a directory for runs")
     if is_gguf(config.model) and (problem := gguf_problem(config.model)):
         raise ConfigError("model", problem)
     if (config.model != EMBEDDED_MODEL and not is_gguf(config.model) and _looks_like_path(config.model)
             and not Path(config.model).is_dir()):
         raise ConfigError(
-            "model", f"directory {config.model!r} does not exist; give a model directory or a hub id"
+            "model", f"directory {shown(config.model)} does not exist; give a model directory or a hub id"
         )
     for name in ("train_data", "eval_data", "resume"):
         value = getattr(config, name)
         # train/eval data may also name a dataset in the local cache: checked when loaded
         if value is not None and not Path(value).exists() and (name == "resume" or looks_like_path(value)):
-            raise ConfigError(name, f"{value!r} does not exist; check the path")
+            raise ConfigError(name, f"{shown(value)} does not exist; check the path")
     if (config.task == "custom") != config.custom_rewards():
         raise ConfigError("task" if config.custom_rewards() else "reward_funcs",
                           f"--reward-funcs/--reward-model/--reward-url build their own task from --train-data/--eval-data; "
@@ -144,7 +166,7 @@ def _check_lora(config) -> None:
                           "only add noise to the rollouts' rewards; drop --lora-dropout (0 is the only value)")
     adapter = config.lora_adapter
     if adapter is not None and not is_adapter_dir(adapter):
-        raise ConfigError("lora_adapter", f"{adapter!r} is not a PEFT adapter directory (no adapter_config.json); "
+        raise ConfigError("lora_adapter", f"{shown(adapter)} is not a PEFT adapter directory (no adapter_config.json); "
                           "give a directory written by PeftModel.save_pretrained or an esft LoRA run's final/")
     if is_adapter_dir(config.model):
         if adapter is not None:
@@ -224,12 +246,12 @@ def _check_reward_services(config) -> None:
     """--reward-model directories exist, --reward-url URLs parse, --reward-model-device is a device."""
     for spec in split_list(config.reward_model):
         if _looks_like_path(spec) and not Path(spec).is_dir():
-            raise ConfigError("reward_model", f"directory {spec!r} does not exist; give a reward model directory or a hub id")
+            raise ConfigError("reward_model", f"directory {shown(spec)} does not exist; give a reward model directory or a hub id")
     for url in (url for group in split_list(config.reward_url) for url in group.split("|")):
         if problem := url_problem(url):
             raise ConfigError("reward_url", problem)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.reward_model_device):
-        raise ConfigError("reward_model_device", f"must be auto, cpu, cuda or cuda:N; got {config.reward_model_device!r}")
+        raise ConfigError("reward_model_device", f"must be auto, cpu, cuda or cuda:N; got {shown(config.reward_model_device)}")
 
 
 def url_problem(url: str) -> str | None:
@@ -240,11 +262,11 @@ def url_problem(url: str) -> str | None:
         parts = urlsplit(url.strip())
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number in range
     except ValueError as error:
-        return f"{url!r} is not a valid URL ({error})"
+        return f"{shown(url)} is not a valid URL ({error})"
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"{url!r} is not an http(s) URL with a host, such as http://127.0.0.1:8000"
+        return f"{shown(url)} is not an http(s) URL with a host, such as http://127.0.0.1:8000"
     if parts.query or parts.fragment:
-        return f"{url!r}: give the service's base URL, without ?query or #fragment"
+        return f"{shown(url)}: give the service's base URL, without ?query or #fragment"
     return None
 
 
@@ -257,14 +279,14 @@ def reward_weights(config) -> list[float] | None:
         weights = [float(w) for w in config.reward_weights.split(",")]
     except ValueError:
         raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5 (or a list); got "
-                          f"{config.reward_weights!r}") from None
+                          f"{shown(config.reward_weights)}") from None
     if not config.custom_rewards():  # functions given to ESTrainer: it checks the count against them
         if not all(math.isfinite(w) for w in weights):
-            raise ConfigError("reward_weights", f"must be finite numbers, got {config.reward_weights!r}")
+            raise ConfigError("reward_weights", f"must be finite numbers, got {shown(config.reward_weights)}")
         return weights
     count = sum(len(split_list(value)) for value in (config.reward_funcs, config.reward_model, config.reward_url))
     if len(weights) != count or not all(math.isfinite(w) for w in weights):
-        raise ConfigError("reward_weights", f"{config.reward_weights!r} must be {count} finite numbers, one per reward "
+        raise ConfigError("reward_weights", f"{shown(config.reward_weights)} must be {count} finite numbers, one per reward "
                           "(--reward-funcs, then --reward-model, then --reward-url)")
     return weights
 
@@ -306,7 +328,7 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
         "bool": isinstance(value, bool),
     }[base]
     if not ok:
-        raise ConfigError(name, f"must be {'an' if base == 'int' else 'a'} {base}, got {value!r}")
+        raise ConfigError(name, f"must be {'an' if base == 'int' else 'a'} {base}, got {shown(value)}")
 
 
 def _check_data_selection(config) -> None:
@@ -316,7 +338,7 @@ def _check_data_selection(config) -> None:
         value = getattr(config, name)
         if value is not None and not re.fullmatch(r"\s*(-?\d+)?\s*:\s*(-?\d+)?\s*", value):
             raise ConfigError(name, f"expected START:STOP such as 0:200, 200: or :-100 (a Python slice of the rows), "
-                              f"got {value!r}")
+                              f"got {shown(value)}")
     if config.prompt_column is not None and config.prompt_template is not None:
         raise ConfigError("prompt_column", "give --prompt-column or --prompt-template, not both (a template names "
                           "its columns itself, e.g. '{context}')")

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from esft.settings.fields import RunFields, _in
-from esft.settings.rules import ConfigError
+from esft.settings.rules import ConfigError, shown
 
 SCHEDULE = re.compile(r"(constant)|(linear|cosine)(?::([0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?")
 """constant, or linear/cosine with an optional ':final fraction' (of the initial value, default 0.1)."""
@@ -61,7 +61,7 @@ def check_variants(config) -> None:
     except ValueError:
         betas = []
     if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
-        raise ConfigError("adam_betas", f"must be two numbers in [0, 1) such as 0.9,0.999; got {config.adam_betas!r}")
+        raise ConfigError("adam_betas", f"must be two numbers in [0, 1) such as 0.9,0.999; got {shown(config.adam_betas)}")
     if not config.adam_eps > 0:
         raise ConfigError("adam_eps", f"must be > 0, got {config.adam_eps}; use e.g. 1e-8")
     if config.weight_decay < 0:
@@ -71,4 +71,4 @@ def check_variants(config) -> None:
         match = SCHEDULE.fullmatch(str(value))
         if match is None or (match.group(3) is not None and not 0 <= float(match.group(3)) <= 1):
             raise ConfigError(name, f"must be constant, linear, cosine, or linear:F / cosine:F with a final fraction F "
-                              f"in [0, 1] (e.g. cosine:0.1); got {value!r}")
+                              f"in [0, 1] (e.g. cosine:0.1); got {shown(value)}")

@@ -18,6 +18,7 @@ from numbers import Integral, Real
 from pathlib import Path
 from typing import Any
 
+from esft.files import DATA_LIMIT, read_regular_text
 from esft.tasks.base import TaskError
 from esft.tasks.countdown import format_target, make_prompt
 
@@ -229,9 +230,11 @@ def load_countdown_json(path: str | os.PathLike) -> list[dict[str, Any]]:
     """Rows of a JSON file holding a list of Countdown rows (the reference `countdown.json`)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise TaskError(f"{path}: cannot read Countdown data ({error}); pass a readable JSON file") from None
+        text = read_regular_text(path, DATA_LIMIT, follow_links=True)
+    except OSError as error:
+        raise TaskError(f"{path}: cannot read Countdown data ({error.strerror}); pass a readable JSON file") from None
+    except UnicodeDecodeError as error:
+        raise TaskError(f"{path}: cannot read Countdown data (not UTF-8 at byte {error.start}); pass a JSON file") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:

@@ -11,6 +11,7 @@ with the tokenizer's chat template and generation prompt once the model is loade
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections.abc import Iterable, Mapping
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.chat import chatml, is_messages
-from esft.files import looks_like_path
+from esft.files import DATA_LIMIT, looks_like_path, read_regular, read_regular_text
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
 
 _FORMATS = "a .json, .jsonl, .csv or .parquet file, a save_to_disk directory, or a dataset name in the local cache"
@@ -52,10 +53,13 @@ def train_split(splits: dict[str, list[dict[str, Any]]], source: Any) -> tuple[s
 
 
 def _read_text(path: Path) -> str:
+    """A data file's text, read only as a regular file of bounded size (a named pipe would hang the run)."""
     try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as error:
-        raise TaskError(f"{path}: cannot read it ({error})") from None
+        return read_regular_text(path, DATA_LIMIT, follow_links=True)
+    except OSError as error:
+        raise TaskError(f"{path}: cannot read it ({error.strerror}); pass a data file") from None
+    except UnicodeDecodeError as error:
+        raise TaskError(f"{path}: cannot read it (not UTF-8 text at byte {error.start})") from None
 
 
 def _read_json(path: Path) -> list[dict[str, Any]]:
@@ -96,10 +100,10 @@ def _objects(rows: list[Any], path: Path) -> list[dict[str, Any]]:
 
 
 def _read_csv(path: Path) -> list[dict[str, Any]]:
+    text = _read_text(path)
     try:
-        with open(path, newline="", encoding="utf-8") as handle:
-            rows = [dict(row) for row in csv.DictReader(handle)]
-    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        rows = [dict(row) for row in csv.DictReader(io.StringIO(text, newline=""))]
+    except csv.Error as error:
         raise TaskError(f"{path}: cannot read it as CSV ({error})") from None
     for index, row in enumerate(rows):
         if None in row:
@@ -111,9 +115,13 @@ def _read_parquet(path: Path) -> list[dict[str, Any]]:
     try:
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        data = read_regular(path, DATA_LIMIT, follow_links=True)
     except ImportError:
         raise TaskError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+    except OSError as error:
+        raise TaskError(f"{path}: cannot read it ({error.strerror}); pass a data file") from None
+    try:
+        return pq.read_table(io.BytesIO(data)).to_pylist()
     except Exception as error:  # noqa: BLE001 - pyarrow raises several types for a bad file
         raise TaskError(f"{path}: cannot read it as Parquet ({error})") from None
 

@@ -1,0 +1,197 @@
+"""A copied run directory edited by hand (issue 52): it may not send the user's files and reward API
+key to a service it names, write outside itself through a hard link, hang esft on a named pipe, flood
+it from a device, or print a gigabyte from a few hundred bytes of YAML. Each test attacks with real
+files and processes the way the probe did: a listener on 127.0.0.1 that must receive nothing, a FIFO
+with a time bound (a hang fails the test), a hard link, a link to /dev/zero."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import yaml
+
+from test_security import ENV, TESTS, copy_run, edit_state, one_error_line, small_run  # noqa: F401 - a fixture
+
+API_KEY = "sekrit-key-of-the-user"
+HANG = 120
+"""Seconds a command may take before the test calls it a hang (each of these stops before a model loads,
+or right after)."""
+
+
+def esft(*argv: str, cwd: Path, timeout: float = HANG) -> subprocess.CompletedProcess:
+    env = {**ENV, "ESFT_REWARD_API_KEY": API_KEY}
+    return subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture
+def listener():
+    """A TCP server on 127.0.0.1 recording every byte any client sends it."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    server.settimeout(0.2)
+    received: list[bytes] = []
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                continue
+            with conn:
+                conn.settimeout(2)
+                try:
+                    while chunk := conn.recv(65536):
+                        received.append(chunk)
+                except OSError:
+                    pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}", received
+    stop.set()
+    thread.join(5)
+    server.close()
+
+
+@pytest.fixture
+def secrets_file(tmp_path) -> Path:
+    path = tmp_path / "home" / "secrets.csv"
+    path.parent.mkdir()
+    path.write_text("name,secret\nbank,PIN-4242\nmail,hunter2\n")
+    return path
+
+
+def test_a_copied_run_never_sends_your_files_or_key_where_it_names(small_run, tmp_path, listener, secrets_file):
+    url, received = listener
+    run = copy_run(small_run, tmp_path)
+    taken = dict(task="custom", reward_url=url, train_data=str(secrets_file), eval_data=str(secrets_file),
+                 prompt_column="secret")
+    for checkpoint in [*run.glob("checkpoint-*"), run / "final"]:
+        edit_state(checkpoint, lambda s: s["config"].update(taken))
+    line = one_error_line(esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path),
+                          f"--resume {run}", f"--reward-url {url}", f"--train-data {secrets_file}", "--trust-run-code")
+    assert API_KEY not in line
+    # a run without checkpoints resumes from its config.yaml: the same
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text(yaml.safe_dump(taken))
+    one_error_line(esft("train", "--resume", str(fresh), cwd=tmp_path), f"--reward-url {url}", "--trust-run-code")
+    # esft eval --model RUN/final takes its data from the run: the same
+    one_error_line(esft("eval", "--model", str(run / "final"), "--logging", "none", "--output-dir", str(tmp_path / "out"),
+                        cwd=tmp_path), f"--model {run / 'final'}", f"--eval-data {secrets_file}", "--trust-run-code")
+    assert received == [] and not list(run.glob("superseded-*"))
+
+
+def test_a_hard_link_in_a_run_is_never_written_through(small_run, tmp_path):
+    from esft.files import NotARegularFile
+    from esft.runs.metrics import MetricsLogger
+
+    run = copy_run(small_run, tmp_path)
+    outside = tmp_path / "outside.jsonl"
+    outside.write_bytes((run / "metrics.jsonl").read_bytes())
+    before = outside.read_bytes()
+    (run / "metrics.jsonl").unlink()
+    os.link(outside, run / "metrics.jsonl")
+    one_error_line(esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path), "hard links (metrics.jsonl)")
+    assert outside.read_bytes() == before
+    # and the logger itself never appends to one (a link made after the resume began)
+    logger = MetricsLogger(run, backend="none")
+    with pytest.raises(NotARegularFile, match="a hard link"):
+        logger.log({"iteration": 99, "x": 1.0})
+    assert outside.read_bytes() == before
+
+
+def test_named_pipes_and_devices_in_a_run_never_hang_or_flood_esft(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
+    (run / "metrics.jsonl").unlink()
+    os.mkfifo(run / "metrics.jsonl")
+    one_error_line(esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path), "named pipes", "metrics.jsonl")
+    (run / "checkpoint-1" / "model.safetensors").unlink()  # in a checkpoint: whatever loads it would hang
+    os.mkfifo(run / "checkpoint-1" / "model.safetensors")
+    one_error_line(esft("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "model.safetensors is a named pipe")
+    fresh = tmp_path / "fresh"  # a run without checkpoints: its config.yaml is read first
+    fresh.mkdir()
+    os.mkfifo(fresh / "config.yaml")
+    one_error_line(esft("train", "--resume", str(fresh), cwd=tmp_path), "config.yaml cannot be read (a named pipe")
+    # esft report: status.json a pipe, then a link to /dev/zero: the report is written all the same
+    report_run = copy_run(small_run, tmp_path / "r")
+    for plant in (os.mkfifo, lambda path: os.symlink("/dev/zero", path)):
+        (report_run / "status.json").unlink(missing_ok=True)
+        plant(report_run / "status.json")
+        proc = esft("report", str(report_run), cwd=tmp_path)
+        assert proc.returncode == 0 and (report_run / "report.html").is_file(), proc.stderr[-2000:]
+    (report_run / "metrics.jsonl").unlink()
+    os.symlink("/dev/zero", report_run / "metrics.jsonl")
+    one_error_line(esft("report", str(report_run), cwd=tmp_path), "metrics.jsonl", "symbolic link")
+
+
+def test_a_pipe_named_as_eval_data_is_one_line_even_when_trusted(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
+    pipe = tmp_path / "rows.jsonl"
+    os.mkfifo(pipe)
+    edit_state(run / "final", lambda s: s["config"].update(task="custom", eval_data=str(pipe), reward_funcs=None))
+    proc = esft("eval", "--model", str(run / "final"), "--trust-run-code", "--logging", "none", "--output-dir",
+                str(tmp_path / "out"), "--reward-funcs", str(TESTS / "sandbox_rewards.py") + ":length_reward", cwd=tmp_path)
+    assert f"--trust-run-code: taking the code, data and services that --model {run / 'final'} names: --eval-data {pipe}" \
+        in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("esft: error:")]
+    assert proc.returncode == 2 and len(lines) == 1 and "a named pipe, not a regular file" in lines[0], proc.stderr[-3000:]
+
+
+def _alias_bomb(levels: int) -> str:
+    lines = ["trainable:", "- &a [1,1,1,1,1,1,1,1,1]"]
+    lines += [f"- &{chr(97 + n)} [{','.join([f'*{chr(96 + n)}'] * 9)}]" for n in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_few_hundred_bytes_of_yaml_never_print_megabytes(tmp_path):
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_alias_bomb(8))
+    assert len(bomb.read_bytes()) < 400
+    line = one_error_line(esft("train", "--config", str(bomb), cwd=tmp_path), f"--config {bomb}", "aliases expand")
+    assert len(line) < 400
+    small = tmp_path / "small.yaml"  # within the budget: the type error echoes at most 200 characters of it
+    small.write_text(_alias_bomb(3))
+    line = one_error_line(esft("train", "--config", str(small), cwd=tmp_path), "--trainable: must be a str")
+    assert len(line) < 400
+    fresh = tmp_path / "fresh"  # a run's own config.yaml
+    fresh.mkdir()
+    (fresh / "config.yaml").write_text(_alias_bomb(8))
+    line = one_error_line(esft("train", "--resume", str(fresh), cwd=tmp_path), "aliases expand")
+    assert len(line) < 400
+
+
+def test_extreme_settings_are_one_line_before_anything_loads(small_run, tmp_path):
+    run = copy_run(small_run, tmp_path)
+    state = run / "checkpoint-1" / "trainer_state.json"
+    original = state.read_text()
+    state.write_text(original[:-1] + ', "deep": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    one_error_line(esft("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "nested too deeply")
+    state.write_text(original)
+    edit_state(run / "checkpoint-1", lambda s: s.update(config={}))
+    one_error_line(esft("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "records no settings")
+    one_error_line(esft("train", "--population-size", "1000000000000", cwd=tmp_path), "--population-size: must be <= ")
+    assert sorted(p.name for p in run.iterdir()) == sorted(p.name for p in small_run.iterdir() if p.name != ".esft.lock")
+
+
+def test_rewards_of_1e308_are_reported_not_a_lost_report(tmp_path):
+    run = tmp_path / "run"  # what a reward function returning ±1e308 leaves in metrics.jsonl
+    run.mkdir()
+    rows = [{"iteration": i, "reward/mean": (-1) ** i * 1e308, "reward/min": -1e308, "reward/max": 1e308,
+             "eval/heldout/accuracy": 0.5} for i in range(4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run / "config.yaml").write_text("iterations: 3\n")
+    proc = esft("report", str(run), cwd=tmp_path)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    page = (run / "report.html").read_text()
+    assert "final reward mean</th><td class=\"num\">-1e+308</td>" in page
