@@ -195,3 +195,38 @@ def test_rewards_of_1e308_are_reported_not_a_lost_report(tmp_path):
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     page = (run / "report.html").read_text()
     assert "final reward mean</th><td class=\"num\">-1e+308</td>" in page
+
+
+def test_your_own_run_resumes_without_the_opt_in_and_nobody_elses_does(tiny_model_dir, tmp_path):
+    """Settings esft wrote are signed with a key only this user's esft reads (esft.runs.signature): the
+    user's own run with their data and reward file resumes and evaluates without --trust-run-code; the
+    same directory under another user's key (another user's esft), or with a key others can read, does not."""
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"say {n}"}) + "\n" for n in range(6)))
+    (tmp_path / "rewards.py").write_text("def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n")
+    mine, theirs = tmp_path / "cache-mine", tmp_path / "cache-theirs"
+
+    def run(cache: Path, *argv: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "esft", *argv], cwd=tmp_path, capture_output=True, text=True,
+                              env={**ENV, "ESFT_CACHE": str(cache)}, timeout=300)
+
+    small = ("--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-batch-size", "2",
+             "--logging", "none", "--no-progress")
+    first = run(mine, "train", "--model", str(tiny_model_dir), "--train-data", "train.jsonl", "--eval-data",
+                "train.jsonl", "--reward-funcs", "rewards.py:length", *small, "--output-dir", "runs", "--run-name", "own",
+                "--iterations", "1", "--save-every", "1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    key = mine / "run-key"
+    assert key.stat().st_mode & 0o777 == 0o600 and key.stat().st_size == 32
+    assert (tmp_path / "runs" / "own" / "config.yaml").read_text().startswith("# esft-settings-signature: ")
+
+    resumed = run(mine, "train", "--resume", "runs/own", "--iterations", "2")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "settings written by your esft, unedited" in resumed.stderr and "--reward-funcs rewards.py:length" in resumed.stderr
+    evaluated = run(mine, "eval", "--model", "runs/own/final")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+
+    elsewhere = run(theirs, "train", "--resume", "runs/own", "--iterations", "3")
+    assert elsewhere.returncode == 2 and "pass --trust-run-code" in one_error_line(elsewhere)
+    key.chmod(0o644)  # a key others can read proves nothing
+    exposed = run(mine, "eval", "--model", "runs/own/final")
+    assert exposed.returncode == 2 and "pass --trust-run-code" in one_error_line(exposed)

@@ -235,7 +235,7 @@ def resolve_config(command: str, given: dict[str, Any]):
     model = given.get("model", from_yaml.get("model"))
     adapter = given.get("lora_adapter", from_yaml.get("lora_adapter"))
     if command == "eval" and (model or adapter) and (found := run_settings_of(model, adapter)):
-        inherited, path = found
+        inherited, path, signed = found
         where = f"--lora-adapter {adapter}" if adapter and Path(adapter).expanduser() == path else f"--model {model}"
         overridden = set(from_yaml) | set(given)
         settings |= inherited
@@ -243,7 +243,8 @@ def resolve_config(command: str, given: dict[str, Any]):
         print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
     if inherited:  # a directory's settings import no code, read no data, reach no service by themselves (esft.runs.inherited)
-        check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where)
+        signed = point.signed if point is not None else signed
+        check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where, signed)
     preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
     for line in dropped:
         print(f"esft: {line}", file=sys.stderr)

@@ -24,6 +24,7 @@ from typing import Any
 
 from esft.files import (SETTINGS_LIMIT, directory_digests, directory_written_atomically, file_digest, read_regular_text,
                         write_text_atomic)
+from esft.runs.signature import sign
 
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
@@ -54,6 +55,8 @@ def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master:
                 (tmp / OPTIMIZER_FILE).parent.mkdir()
                 save_file(optimizer_state, str(tmp / OPTIMIZER_FILE))
             state = {**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}
+            if isinstance(state.get("config"), dict):  # the user's own settings resume without the opt-in
+                state["settings_signature"] = sign(state["config"])
             write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
     except BaseException as error:
         if not isinstance(error, OSError) and (os_error := _os_error_in(error, directory)) is not None:

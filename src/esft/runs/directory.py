@@ -35,6 +35,7 @@ from esft.settings.config import ConfigError, ESConfig
 from esft.files import (METRICS_LIMIT, SETTINGS_LIMIT, YamlTooLarge, load_yaml, read_regular_text,
                         write_text_atomic)
 from esft.runs.metrics import METRICS_FILE
+from esft.runs.signature import signed_by_user, signed_yaml, yaml_signature
 
 LOCK_FILE = ".esft.lock"
 CONFIG_FILE = "config.yaml"
@@ -59,6 +60,8 @@ class ResumePoint:
     """The settings the run was started with (flags given on resume override them)."""
     skipped: list[str] = field(default_factory=list)
     """Newer checkpoints passed over, each with why."""
+    signed: bool = False
+    """The settings carry this user's signature (esft.runs.signature): written by them, unedited."""
 
 
 def find_resume_point(path: str | Path) -> ResumePoint:
@@ -69,7 +72,9 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         problem = verify(path)
         if problem:
             raise ResumeError(f"{problem}; resume from the run directory {path.parent} to use its newest intact checkpoint")
-        return ResumePoint(path.parent, path, read_state(path)["iteration"], read_state(path)["config"])
+        state = read_state(path)
+        return ResumePoint(path.parent, path, state["iteration"], state["config"],
+                           signed=signed_by_user(state["config"], state.get("settings_signature")))
     if not path.is_dir():
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory")
     candidates = list_checkpoints(path) + ([path / "final"] if is_checkpoint(path / "final") else [])
@@ -79,13 +84,16 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         problem = verify(checkpoint)
         if problem is None:
             state = read_state(checkpoint)
-            return ResumePoint(path, checkpoint, state["iteration"], state["config"], skipped)
+            return ResumePoint(path, checkpoint, state["iteration"], state["config"], skipped,
+                               signed_by_user(state["config"], state.get("settings_signature")))
         skipped.append(problem)
     if skipped:
         raise ResumeError(f"no checkpoint of {path} is intact ({'; '.join(skipped)})")
     if not os.path.lexists(path / CONFIG_FILE):
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory (no checkpoint-<N>, no {CONFIG_FILE})")
-    return ResumePoint(path, None, 0, read_run_yaml(path / CONFIG_FILE))
+    config = read_run_yaml(path / CONFIG_FILE)
+    signature = yaml_signature(read_regular_text(path / CONFIG_FILE, SETTINGS_LIMIT))
+    return ResumePoint(path, None, 0, config, signed=signed_by_user(config, signature))
 
 
 def read_run_yaml(path: Path) -> dict[str, Any]:
@@ -133,7 +141,8 @@ class RunDir:
         import yaml
 
         settings = {**args.to_dict(), "output_dir": str(self.path.parent), "run_name": self.path.name, "resume": None}
-        write_text_atomic(self.path / CONFIG_FILE, yaml.safe_dump(settings, sort_keys=False, allow_unicode=True))
+        body = yaml.safe_dump(settings, sort_keys=False, allow_unicode=True)
+        write_text_atomic(self.path / CONFIG_FILE, signed_yaml(settings, body))  # esft.runs.signature
 
     def discard_if_unused(self) -> None:
         """Remove a new run directory nothing was written to (setup failed), and release it."""

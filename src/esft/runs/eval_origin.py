@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
+from esft.runs.signature import signed_by_user
 
 EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
                  "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
@@ -43,9 +44,22 @@ def _config_of(path: Path) -> dict[str, Any] | None:
     return None
 
 
-def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple[dict[str, Any], Path] | None:
-    """The settings `esft eval` inherits (and the directory they come from) when `model` or
-    `lora_adapter` is a run's weights; None otherwise."""
+def _signed(path: Path, config: dict[str, Any]) -> bool:
+    """Whether the settings found for `path` (_config_of) carry this user's signature."""
+    for checkpoint in (path, path.parent / "final"):
+        if is_checkpoint(checkpoint):
+            try:
+                state = read_state(checkpoint)
+            except CheckpointError:
+                return False
+            if state["config"] == config:
+                return signed_by_user(config, state.get("settings_signature"))
+    return False
+
+
+def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple[dict[str, Any], Path, bool] | None:
+    """The settings `esft eval` inherits, the directory they come from, and whether they carry this
+    user's signature (esft.runs.signature), when `model` or `lora_adapter` is a run's weights; else None."""
     for candidate in (lora_adapter, model):
         if not candidate:
             continue
@@ -55,7 +69,7 @@ def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple
             continue
         inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
         inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
-        return inherited, path
+        return inherited, path, _signed(path, config)
     return None
 
 

@@ -62,16 +62,22 @@ def named_outside(settings: dict[str, Any]) -> list[str]:
     return [item if len(item) <= SHOWN_CHARS else item[:SHOWN_CHARS - 3] + "..." for item in named]
 
 
-def check_inherited(inherited: dict[str, Any], explicit: set[str], trusted: bool, where: str) -> None:
+def check_inherited(inherited: dict[str, Any], explicit: set[str], trusted: bool, where: str,
+                    signed: bool = False) -> None:
     """Stop (InheritedSettingsError) when settings taken from a directory, and not given again by the
-    user (`explicit`), name code, data files or reward services, unless `trusted` (--trust-run-code);
-    with it, say in one line what was taken."""
+    user (`explicit`), name code, data files or reward services, unless `trusted` (--trust-run-code)
+    or `signed` (this user's esft wrote them, unedited: esft.runs.signature); then say in one line
+    what was taken."""
     named = named_outside({name: value for name, value in inherited.items() if name not in explicit})
     if not named:
         return
     if trusted:
         print(f"esft: --trust-run-code: taking the code, data and services that {where} names: {', '.join(named)}",
               file=sys.stderr)
+        return
+    if signed:
+        print(f"esft: taking the code, data and services that {where} names (settings written by your esft, unedited: "
+              f"their signature verifies): {', '.join(named)}", file=sys.stderr)
         return
     raise InheritedSettingsError(f"{where} names code, data files or reward services ({', '.join(named)}), which esft "
                                  "does not take from a run's settings by itself (a copied run could send your files "
