@@ -4,6 +4,7 @@ esft.rewards.remote_reward, an ES run), a tiny reward model built from a config.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -263,3 +264,56 @@ def test_bad_server_settings_are_one_line_errors(tiny_reward_model_dir, tmp_path
         port = taken.getsockname()[1]
         proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--port", str(port), cwd=tmp_path)
     assert_user_error(proc, f"--port: cannot listen on 127.0.0.1:{port} (Address already in use)")
+
+
+def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_dropped(tiny_reward_model_dir, in_process):
+    """Issue 52: a large request (2,000 completions of 300 characters: 125 forward passes) is scored a
+    forward pass at a time, in turn with the others: 1-item requests made meanwhile are answered in a
+    pass or two; a client that gives up leaves nothing scored after it; --max-request-seconds answers 503."""
+    proc, url = start_server(tiny_reward_model_dir, "--batch-size", "16", "--max-request-seconds", "4")
+    large = {"prompts": [f"{i} " + "long text " * 30 for i in range(2000)], "completions": [""] * 2000}
+
+    # a client that gives up after 1 s: its remaining completions are dropped, the model goes idle
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/score", json=large, timeout=1.0)
+    deadline = time.monotonic() + 10
+    while health(url)["requests_abandoned"] == 0:
+        assert time.monotonic() < deadline, "the abandoned request was not dropped"
+        time.sleep(0.1)
+    time.sleep(0.5)  # a forward pass running when it was dropped ends
+    first = health(url)
+    time.sleep(1.0)
+    idle = health(url)
+    assert idle["batches"] == first["batches"] and idle["queue"] == 0  # nothing scored after the drop
+    assert 0 < first["batches"] * 16 < 2000 and first["completions_dropped"] == 2000 - first["batches"] * 16
+
+    # small requests beside a large one: each waits a forward pass or two, not the large request
+    answer = {}
+
+    def post_large():
+        started = time.monotonic()
+        answer["response"] = httpx.post(f"{url}/score", json=large, timeout=60)
+        answer["seconds"] = time.monotonic() - started
+
+    big = threading.Thread(target=post_large)
+    big.start()
+    time.sleep(0.5)
+    latencies = []
+    with httpx.Client(timeout=30) as http:
+        for i in range(8):
+            started = time.monotonic()
+            rewards = http.post(f"{url}/score", json={"prompts": [f"small {i}"], "completions": ["!"]}).json()["rewards"]
+            latencies.append(time.monotonic() - started)
+            assert rewards == pytest.approx(in_process([f"small {i}"], ["!"]), rel=1e-5, abs=1e-5)
+    big.join(timeout=30)
+    # the large one took the whole bound and was refused: 503 naming the setting and what was scored
+    response = answer["response"]
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1", response.text
+    assert re.fullmatch(r"scoring took over 4 s \(--max-request-seconds; \d+ of 2000 completions scored\); send fewer "
+                        r"completions per request, or retry later", response.json()["detail"])
+    assert 4 <= answer["seconds"] < 8
+    assert max(latencies) < 1.5, latencies  # one forward pass: ~0.2 s here; the large request: ~20 s
+    after = health(url)
+    assert after["requests_timed_out"] == 1 and after["requests_served"] == 8 and after["queue"] == 0
+    code, stderr = stop(proc)
+    assert code == 0 and "Traceback" not in stderr, stderr
