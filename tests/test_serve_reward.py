@@ -258,6 +258,8 @@ def test_bad_server_settings_are_one_line_errors(tiny_reward_model_dir, tmp_path
 
     proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--api-key-env", "ESFT_NO_SUCH_VARIABLE", cwd=tmp_path)
     assert_user_error(proc, "--api-key-env: the environment variable ESFT_NO_SUCH_VARIABLE is not set")
+    proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--max-request-seconds", "0", cwd=tmp_path)
+    assert_user_error(proc, "--max-request-seconds: must be > 0, got 0.0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -148,8 +148,7 @@ def _add_serve_reward(commands) -> None:
 
     sub = commands.add_parser("serve-reward", help="Serve a reward model over HTTP (pip install 'esft[serve]').",
                               description="Serve a sequence-classification reward model over HTTP: POST /score, POST "
-                              "/get_reward (OpenRLHF), GET /health. Concurrent requests are scored in shared batches, "
-                              "taken from the requests in turn.")
+                              "/get_reward (OpenRLHF), GET /health. Concurrent requests are scored in shared batches.")
     sub.add_argument("--model", required=True, help="Local directory or hub id of the reward model (one output logit).")
     for flag, kind, default, text in (
         ("--host", str, "127.0.0.1", "Address to listen on (loopback by default; 0.0.0.0 for every interface)."),
@@ -162,8 +161,7 @@ def _add_serve_reward(commands) -> None:
         ("--max-queue", int, 256, "Requests that may wait for the model; more get 503."),
         ("--max-request-items", int, 4096, "Most completions in one request; more get 413."),
         ("--max-body-mb", float, 16.0, "Largest request body in MiB; larger get 413."),
-        ("--max-request-seconds", float, 120.0, "Longest a request may take, waiting and scored; then it gets 503 "
-                                                "and the rest of its completions are not scored."),
+        ("--max-request-seconds", float, 120.0, "Longest a request may take (waiting included); then 503, the rest unscored."),
         ("--max-text-chars", int, None, "Longest text scored (prompt + completion, as rendered), in characters; longer "
                                         "get 413. Default: 16 per token of the model's context."),
     ):

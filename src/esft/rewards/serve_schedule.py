@@ -1,9 +1,10 @@
 """How `esft serve-reward` (esft.rewards.serve) shares its one model between requests: every request
-is cut into work units of at most --batch-size completions, and a single scoring task builds each
-forward pass from the requests in turn (round-robin), so a request of 4,000 completions holds the
-model for one forward pass at a time and a 1-item request made meanwhile waits one or two passes,
-not for the whole large one. Requests that have not had a turn yet go first; small requests still
-share a forward pass. A request whose client has gone (the connection closed) or whose time is up
+is cut into work units, and a single scoring task builds each forward pass of up to --batch-size
+completions from all the requests being scored: each gets an equal share (at least one completion,
+in turn when there are more requests than room), and what a request leaves unused goes to the
+others, so passes stay full and small requests share them. A request of 4,000 completions holds the
+model one forward pass at a time, and a 1-item request made meanwhile rides in the next pass instead
+of waiting for all of it. A request whose client has gone (the connection closed) or whose time is up
 (--max-request-seconds) is dropped from the rotation: the rest of its completions are never scored."""
 
 from __future__ import annotations
@@ -70,14 +71,13 @@ class Scheduler:
     stats: Stats = field(default_factory=Stats)
 
     def __post_init__(self) -> None:
-        self.fresh: deque[Job] = deque()  # not yet had a turn: first in the next forward pass
-        self.rotation: deque[Job] = deque()  # had a turn, work left: in turn after the fresh ones
+        self.rotation: deque[Job] = deque()  # arrival order; a request that gets a share goes to the back
         self.wake = asyncio.Event()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="esft-reward-model")  # one model, one thread
 
     @property
     def active(self) -> int:
-        return len(self.fresh) + len(self.rotation)
+        return len(self.rotation)
 
     async def score(self, texts: list[str], disconnected: asyncio.Future) -> list[float]:
         """Schedule `texts` and wait for their rewards: 503 when `max_queue` requests are already
@@ -88,13 +88,16 @@ class Scheduler:
             raise HTTPException(503, f"queue full ({self.max_queue} requests waiting); retry later",
                                 headers={"Retry-After": "1"})
         job = Job(texts, asyncio.get_running_loop().create_future())
-        self.fresh.append(job)
+        self.rotation.append(job)
         self.wake.set()
         try:
             await asyncio.wait({job.future, disconnected}, timeout=self.max_seconds, return_when=asyncio.FIRST_COMPLETED)
-        finally:  # also when this handler is cancelled
+        except BaseException:  # this handler was cancelled: nobody waits for the answer
             if not job.future.done():
-                self._drop(job, "timed out" if not disconnected.done() else "abandoned")
+                self._drop(job, "abandoned")
+            raise
+        if not job.future.done():
+            self._drop(job, "abandoned" if disconnected.done() else "timed out")
         if job.gone == "abandoned":
             raise HTTPException(499, "the client closed the connection")  # read by nobody
         if job.gone == "timed out":
@@ -114,29 +117,31 @@ class Scheduler:
             self.stats.requests_abandoned += 1
         else:
             self.stats.requests_timed_out += 1
-        for queue in (self.fresh, self.rotation):
-            if job in queue:
-                queue.remove(job)
+        if job in self.rotation:
+            self.rotation.remove(job)
         job.future.cancel()
         logger.warning("request %s: %d of %d completions not scored", why, dropped, len(job.texts))
 
     def _next_batch(self) -> list[tuple[Job, list[int]]]:
-        """Up to batch_size completions: the fresh requests first, then the others in turn; each
-        request that gave some goes to the back of the rotation."""
-        batch: list[tuple[Job, list[int]]] = []
+        """Up to batch_size completions: an equal share of each request in rotation order (at least
+        one each, until the pass is full), then the room left to the same requests in the same order.
+        The requests that got a share go to the back of the rotation, those that did not stay in front."""
+        jobs = list(self.rotation)
+        share = max(1, self.batch_size // len(jobs))
+        counts = dict.fromkeys(jobs, 0)
         room = self.batch_size
-        for queue in (self.fresh, self.rotation):
-            for job in list(queue):
-                if room == 0:
-                    break
-                count = min(job.remaining, room)
+        for limit in (share, self.batch_size):
+            for job in jobs:
+                take = min(job.remaining - counts[job], limit - counts[job], room)
+                counts[job] += take
+                room -= take
+        batch = []
+        for job, count in counts.items():
+            if count:
                 start = job.done + job.taken
                 batch.append((job, job.order[start : start + count]))
                 job.taken += count
-                room -= count
-                queue.remove(job)
-                if job.remaining:
-                    self.rotation.append(job)
+        self.rotation = deque([job for job in jobs if not counts[job]] + [job for job in jobs if counts[job] and job.remaining])
         return batch
 
     async def run(self) -> None:
@@ -173,9 +178,8 @@ class Scheduler:
 
     def _fail(self, job: Job, error: Exception) -> None:
         job.taken = 0
-        for queue in (self.fresh, self.rotation):
-            if job in queue:
-                queue.remove(job)
+        if job in self.rotation:
+            self.rotation.remove(job)
         if not job.future.done():
             job.future.set_exception(error)
 
@@ -198,9 +202,8 @@ class Scheduler:
 
     def fail_waiting(self) -> None:
         """At shutdown: answer every request still being scored with 503."""
-        for job in [*self.fresh, *self.rotation]:
+        for job in self.rotation:
             if not job.future.done():
                 job.future.set_exception(HTTPException(503, "the server is shutting down"))
-        self.fresh.clear()
         self.rotation.clear()
         self.executor.shutdown(wait=False)
