@@ -271,7 +271,8 @@ def test_bad_server_settings_are_one_line_errors(tiny_reward_model_dir, tmp_path
 def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_dropped(tiny_reward_model_dir, in_process):
     """Issue 52: a large request (2,000 completions of 300 characters: 125 forward passes) is scored a
     forward pass at a time, in turn with the others: 1-item requests made meanwhile are answered in a
-    pass or two; a client that gives up leaves nothing scored after it; --max-request-seconds answers 503."""
+    pass or two; a client that gives up (or sends and closes at once) leaves nothing scored after it;
+    --max-request-seconds answers 503."""
     proc, url = start_server(tiny_reward_model_dir, "--batch-size", "16", "--max-request-seconds", "4")
     large = {"prompts": [f"{i} " + "long text " * 30 for i in range(2000)], "completions": [""] * 2000}
 
@@ -292,6 +293,24 @@ def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_
         assert time.monotonic() < deadline + 10, "the model is still scoring the abandoned request"
     assert idle["queue"] == 0 and 0 < idle["batches"] * 16 < 2000  # nothing scored after the drop
     assert idle["completions_dropped"] == 2000 - idle["batches"] * 16 and idle["completions_scored"] == 0
+
+    # two clients that send a large request and close the connection at once (the probe's 99 s
+    # case): the next request waits for at most the forward pass running, not for both
+    body = json.dumps(large).encode()
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    for _ in range(2):
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as gone:
+            gone.sendall(head.encode() + body)
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert httpx.post(f"{url}/score", json={"prompts": ["after"], "completions": ["!"]}, timeout=30).status_code == 200
+    assert time.monotonic() - started < 2.5
+    deadline = time.monotonic() + 10
+    while health(url)["requests_abandoned"] < 3:
+        assert time.monotonic() < deadline, health(url)
+        time.sleep(0.1)
+    dropped = health(url)["completions_dropped"] - idle["completions_dropped"]
+    assert 4000 - 2 * 16 * 4 <= dropped <= 4000  # a few passes at most before each drop was noticed
 
     # small requests beside a large one: each waits a forward pass or two, not the large request
     answer = {}
@@ -321,7 +340,7 @@ def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_
     # a forward pass takes ~0.2 s here: a small request waits one or two, not the large request (~20 s)
     assert max(latencies) < 2.5 and sorted(latencies)[4] < 1.0, latencies
     after = health(url)
-    assert after["requests_timed_out"] == 1 and after["requests_served"] == 8 and after["queue"] == 0
+    assert after["requests_timed_out"] == 1 and after["requests_served"] == 9 and after["queue"] == 0
     code, stderr = stop(proc)
     assert code == 0 and "Traceback" not in stderr, stderr
 
