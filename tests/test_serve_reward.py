@@ -291,7 +291,7 @@ def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_
             break
         first = idle
         assert time.monotonic() < deadline + 10, "the model is still scoring the abandoned request"
-    assert idle["queue"] == 0 and 0 < idle["batches"] * 16 < 2000  # nothing scored after the drop
+    assert idle["requests_active"] == 0 and 0 < idle["batches"] * 16 < 2000  # nothing scored after the drop
     assert idle["completions_dropped"] == 2000 - idle["batches"] * 16 and idle["completions_scored"] == 0
 
     # two clients that send a large request and close the connection at once (the probe's 99 s
@@ -340,7 +340,7 @@ def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_
     # a forward pass takes ~0.2 s here: a small request waits one or two, not the large request (~20 s)
     assert max(latencies) < 2.5 and sorted(latencies)[4] < 1.0, latencies
     after = health(url)
-    assert after["requests_timed_out"] == 1 and after["requests_served"] == 9 and after["queue"] == 0
+    assert after["requests_timed_out"] == 1 and after["requests_served"] == 9 and after["requests_active"] == 0
     code, stderr = stop(proc)
     assert code == 0 and "Traceback" not in stderr, stderr
 

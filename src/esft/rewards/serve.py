@@ -170,7 +170,8 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
     async def health() -> dict[str, Any]:
         scheduler = state["scheduler"]
         return {"status": "ok", **info, "batch_size": batch_size, "max_request_seconds": max_request_seconds,
-                "queue": scheduler.active, **vars(scheduler.stats)}
+                "queue": scheduler.waiting,
+                "requests_active": scheduler.active, **vars(scheduler.stats)}
 
     return app
 

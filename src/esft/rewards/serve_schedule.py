@@ -79,6 +79,11 @@ class Scheduler:
     def active(self) -> int:
         return len(self.rotation)
 
+    @property
+    def waiting(self) -> int:
+        """Requests with no part in the forward pass running now (/health's `queue`)."""
+        return sum(1 for job in self.rotation if not job.taken)
+
     async def score(self, texts: list[str], disconnected: asyncio.Future) -> list[float]:
         """Schedule `texts` and wait for their rewards: 503 when `max_queue` requests are already
         being scored or when this one takes over `max_seconds`; when `disconnected` completes first
