@@ -90,7 +90,7 @@ class Scheduler:
         (the client has gone) its remaining work is dropped (the answer reaches nobody)."""
         if self.active >= self.max_queue:
             self.stats.rejected_queue_full += 1
-            raise HTTPException(503, f"queue full ({self.max_queue} requests waiting); retry later",
+            raise HTTPException(503, f"queue full ({self.max_queue} requests being scored, --max-queue); retry later",
                                 headers={"Retry-After": "1"})
         job = Job(texts, asyncio.get_running_loop().create_future())
         self.rotation.append(job)
