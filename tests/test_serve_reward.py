@@ -4,6 +4,7 @@ esft.rewards.remote_reward, an ES run), a tiny reward model built from a config.
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -257,9 +258,131 @@ def test_bad_server_settings_are_one_line_errors(tiny_reward_model_dir, tmp_path
 
     proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--api-key-env", "ESFT_NO_SUCH_VARIABLE", cwd=tmp_path)
     assert_user_error(proc, "--api-key-env: the environment variable ESFT_NO_SUCH_VARIABLE is not set")
+    proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--max-request-seconds", "0", cwd=tmp_path)
+    assert_user_error(proc, "--max-request-seconds: must be > 0, got 0.0")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
         proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--port", str(port), cwd=tmp_path)
     assert_user_error(proc, f"--port: cannot listen on 127.0.0.1:{port} (Address already in use)")
+
+
+def test_a_large_request_does_not_starve_small_ones_and_a_gone_client_s_work_is_dropped(tiny_reward_model_dir, in_process):
+    """Issue 52: a large request (2,000 completions of 300 characters: 125 forward passes) is scored a
+    forward pass at a time, in turn with the others: 1-item requests made meanwhile are answered in a
+    pass or two; a client that gives up (or sends and closes at once) leaves nothing scored after it;
+    --max-request-seconds answers 503."""
+    proc, url = start_server(tiny_reward_model_dir, "--batch-size", "16", "--max-request-seconds", "4")
+    large = {"prompts": [f"{i} " + "long text " * 30 for i in range(2000)], "completions": [""] * 2000}
+
+    # a client that gives up after 2 s: its remaining completions are dropped, the model goes idle
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/score", json=large, timeout=2.0)
+    deadline = time.monotonic() + 10
+    while health(url)["requests_abandoned"] == 0:
+        assert time.monotonic() < deadline, "the abandoned request was not dropped"
+        time.sleep(0.1)
+    first = health(url)
+    while True:  # until a second passes without a forward pass (the one running at the drop ends)
+        time.sleep(1.0)
+        idle = health(url)
+        if idle["batches"] == first["batches"]:
+            break
+        first = idle
+        assert time.monotonic() < deadline + 10, "the model is still scoring the abandoned request"
+    assert idle["requests_active"] == 0 and 0 < idle["batches"] * 16 < 2000  # nothing scored after the drop
+    assert idle["completions_dropped"] == 2000 - idle["batches"] * 16 and idle["completions_scored"] == 0
+
+    # two clients that send a large request and close the connection at once (the probe's 99 s
+    # case): the next request waits for at most the forward pass running, not for both
+    body = json.dumps(large).encode()
+    head = f"POST /score HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    for _ in range(2):
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as gone:
+            gone.sendall(head.encode() + body)
+    time.sleep(0.5)
+    started = time.monotonic()
+    assert httpx.post(f"{url}/score", json={"prompts": ["after"], "completions": ["!"]}, timeout=30).status_code == 200
+    assert time.monotonic() - started < 2.5
+    deadline = time.monotonic() + 10
+    while health(url)["requests_abandoned"] < 3:
+        assert time.monotonic() < deadline, health(url)
+        time.sleep(0.1)
+    dropped = health(url)["completions_dropped"] - idle["completions_dropped"]
+    assert 4000 - 2 * 16 * 4 <= dropped <= 4000  # a few passes at most before each drop was noticed
+
+    # small requests beside a large one: each waits a forward pass or two, not the large request
+    answer = {}
+
+    def post_large():
+        started = time.monotonic()
+        answer["response"] = httpx.post(f"{url}/score", json=large, timeout=60)
+        answer["seconds"] = time.monotonic() - started
+
+    big = threading.Thread(target=post_large)
+    big.start()
+    time.sleep(0.5)
+    latencies = []
+    with httpx.Client(timeout=30) as http:
+        for i in range(8):
+            started = time.monotonic()
+            rewards = http.post(f"{url}/score", json={"prompts": [f"small {i}"], "completions": ["!"]}).json()["rewards"]
+            latencies.append(time.monotonic() - started)
+            assert rewards == pytest.approx(in_process([f"small {i}"], ["!"]), rel=1e-5, abs=1e-5)
+    big.join(timeout=30)
+    # the large one took the whole bound and was refused: 503 naming the setting and what was scored
+    response = answer["response"]
+    assert response.status_code == 503 and response.headers["Retry-After"] == "1", response.text
+    assert re.fullmatch(r"scoring took over 4 s \(--max-request-seconds; \d+ of 2000 completions scored\); send fewer "
+                        r"completions per request, or retry later", response.json()["detail"])
+    assert 4 <= answer["seconds"] < 10
+    # a forward pass takes ~0.2 s here: a small request waits one or two, not the large request (~20 s)
+    assert max(latencies) < 2.5 and sorted(latencies)[4] < 1.0, latencies
+    after = health(url)
+    assert after["requests_timed_out"] == 1 and after["requests_served"] == 9 and after["requests_active"] == 0
+    code, stderr = stop(proc)
+    assert code == 0 and "Traceback" not in stderr, stderr
+
+
+def test_every_request_gets_a_share_of_every_forward_pass(in_process):
+    """The scheduler on the real model: one request of 200 completions, then 40 of one completion,
+    batches of 16. Each pass gives every request a share (at least one completion, in turn): the
+    small ones are answered within the first passes, and the large one is scored in every pass,
+    not starved by the stream; every reward is the in-process one."""
+    import asyncio
+
+    from esft.rewards.serve_schedule import Scheduler
+
+    large = [f"{i} " + "text " * (i % 9) for i in range(200)]
+    small = [f"small {i}" for i in range(40)]
+    expected = dict(zip(large + small, in_process(large + small, [""] * 240)))
+
+    async def main():
+        scheduler = Scheduler(in_process, batch_size=16, max_queue=64, max_seconds=60)
+        runner = asyncio.create_task(scheduler.run())
+        never = asyncio.get_running_loop().create_future()  # these clients stay
+        finished = {}
+
+        async def client(name, texts):
+            rewards = await scheduler.score(texts, never)
+            finished[name] = (scheduler.stats.batches, rewards)
+
+        clients = [asyncio.create_task(client("large", large))]
+        await asyncio.sleep(0)  # the large one is first in the rotation
+        clients += [asyncio.create_task(client(text, [text])) for text in small]
+        await asyncio.gather(*clients)
+        runner.cancel()
+        scheduler.fail_waiting()
+        return finished
+
+    finished = asyncio.run(main())
+    for name, (_, rewards) in finished.items():
+        texts = large if name == "large" else [name]
+        assert rewards == pytest.approx([expected[t] for t in texts], rel=1e-5, abs=1e-5)
+    # pass 1: 16 of the large one (alone); 2: 1 of it + 15 small ones (a share of 1 each, in turn);
+    # 3: 16 small ones (the large one is left out and goes first next); 4: 1 + the last 9 + 6
+    last_small = max(batches for name, (batches, _) in finished.items() if name != "large")
+    assert last_small <= 4
+    # 240 completions in passes of 16: every pass full, none wasted on the large one waiting
+    assert finished["large"][0] == 15

@@ -136,8 +136,8 @@ def _add_serve_reward(commands) -> None:
         ("--max-queue", int, 256, "Requests that may wait for the model; more get 503."),
         ("--max-request-items", int, 4096, "Most completions in one request; more get 413."),
         ("--max-body-mb", float, 16.0, "Largest request body in MiB; larger get 413."),
-        ("--max-text-chars", int, None, "Longest text scored (prompt + completion, as rendered), in characters; longer "
-                                        "get 413. Default: 16 per token of the model's context."),
+        ("--max-request-seconds", float, 120.0, "Longest a request may take (waiting included); then 503, the rest unscored."),
+        ("--max-text-chars", int, None, "Longest prompt + completion (as rendered) in characters, else 413. Default: 16 per token of context."),
     ):
         sub.add_argument(flag, type=kind, default=default, help=f"{text} [default: {default}]",
                          choices=DTYPE_NAMES if flag == "--dtype" else None)

@@ -7,11 +7,14 @@ Endpoints (JSON; with --api-key-env every request needs `Authorization: Bearer <
 - `POST /get_reward` `{"query": [...], "prompts": [...], "labels": [...]}` → `{"rewards": [...],
   "scores": [...]}`: OpenRLHF's remote reward model protocol (`--remote_rm_url`); each query is the
   full text (prompt + response) and is scored as it is.
-- `GET /health`: model, dtype, device, requests served, batches run, largest batch, queue length.
+- `GET /health`: model, dtype, device, requests served, batches run, largest batch, queue length,
+  requests abandoned or timed out and the completions they left unscored.
 
-Requests from concurrent clients wait in one bounded queue (full → 503) and a single scoring task
-takes as many as fit in --batch-size completions for each forward pass, so concurrent clients share
-batches. Bodies over --max-body-mb, requests of more than --max-request-items completions and texts
+At most --max-queue requests are scored at a time (more → 503); a single scoring task builds each
+forward pass of up to --batch-size completions from them in turn (esft.rewards.serve_schedule), so
+concurrent clients share batches and a large request does not make a small one wait for all of it.
+A request whose client has gone is dropped, one not answered within --max-request-seconds gets 503.
+Bodies over --max-body-mb, requests of more than --max-request-items completions and texts
 over --max-text-chars get 413, malformed JSON, an empty text or one that is not Unicode (a lone
 surrogate) 400, wrong types or mismatched lengths 422, a body not sent as JSON 415, each with a
 one-line `detail` naming the item; an unexpected error is a 500 with a message, never a traceback,
@@ -30,8 +33,6 @@ import os
 import signal
 import socket
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -42,8 +43,12 @@ from pydantic import BaseModel, ConfigDict, model_validator
 from esft.settings.config import ConfigError
 from esft.rewards.models import RewardModel, device_problem
 from esft.rewards.serve_guard import CHARS_PER_TOKEN, Guard, HeaderTimeoutProtocol, text_problem
+from esft.rewards.serve_schedule import Scheduler
 
 logger = logging.getLogger("esft.rewards.serve")
+DEFAULT_MAX_REQUEST_SECONDS = 120.0
+"""--max-request-seconds by default: a request not answered in this time gets 503 and its remaining
+completions are not scored (remote_reward's default timeout is 60 s: such a client has gone anyway)."""
 
 
 class Message(BaseModel):
@@ -79,105 +84,6 @@ class GetRewardRequest(BaseModel):
     labels: list[Any] | None = None
 
 
-@dataclass
-class Job:
-    texts: list[str]
-    future: asyncio.Future
-
-
-@dataclass
-class Stats:
-    """What /health reports about the traffic."""
-
-    requests_served: int = 0
-    completions_scored: int = 0
-    batches: int = 0
-    max_batch_requests: int = 0
-    max_batch_completions: int = 0
-    rejected_queue_full: int = 0
-
-
-@dataclass
-class Batcher:
-    """A bounded queue of scoring jobs and the single task that scores them in coalesced batches."""
-
-    scorer: RewardModel
-    batch_size: int
-    max_queue: int
-    stats: Stats = field(default_factory=Stats)
-
-    def __post_init__(self) -> None:
-        self.queue: asyncio.Queue[Job] = asyncio.Queue(self.max_queue)
-        self.carry: Job | None = None  # taken from the queue but did not fit in the last batch
-        self.executor = ThreadPoolExecutor(1, thread_name_prefix="esft-reward-model")  # one model, one thread
-
-    async def score(self, texts: list[str]) -> list[float]:
-        """Queue `texts` and wait for their rewards; 503 when the queue is full."""
-        job = Job(texts, asyncio.get_running_loop().create_future())
-        try:
-            self.queue.put_nowait(job)
-        except asyncio.QueueFull:
-            self.stats.rejected_queue_full += 1
-            raise HTTPException(503, f"queue full ({self.max_queue} requests waiting); retry later",
-                                headers={"Retry-After": "1"}) from None
-        rewards = await job.future
-        self.stats.requests_served += 1
-        self.stats.completions_scored += len(texts)
-        return rewards
-
-    async def run(self) -> None:
-        """Forever: take the waiting jobs that fit in one batch (at least one), score them together."""
-        loop = asyncio.get_running_loop()
-        while True:
-            jobs = [self.carry or await self.queue.get()]
-            self.carry = None
-            size = len(jobs[0].texts)
-            while not self.queue.empty():
-                job = self.queue.get_nowait()
-                if size + len(job.texts) > self.batch_size:
-                    self.carry = job
-                    break
-                jobs.append(job)
-                size += len(job.texts)
-            texts = [text for job in jobs for text in job.texts]
-            try:
-                rewards = await loop.run_in_executor(self.executor, self.scorer.score_texts, texts)
-            except Exception as error:  # noqa: BLE001 - delivered to the waiting requests as a 500
-                await self._score_alone(jobs, error)
-                continue
-            self.stats.batches += 1
-            self.stats.max_batch_requests = max(self.stats.max_batch_requests, len(jobs))
-            self.stats.max_batch_completions = max(self.stats.max_batch_completions, len(texts))
-            start = 0
-            for job in jobs:
-                if not job.future.done():  # a client that went away cancelled its future
-                    job.future.set_result(rewards[start : start + len(job.texts)])
-                start += len(job.texts)
-
-    async def _score_alone(self, jobs: list[Job], error: Exception) -> None:
-        """A batch failed: score each of its requests alone, so a failing one fails only itself."""
-        loop = asyncio.get_running_loop()
-        for job in jobs:
-            outcome: list[float] | Exception = error
-            if len(jobs) > 1:
-                try:
-                    outcome = await loop.run_in_executor(self.executor, self.scorer.score_texts, job.texts)
-                except Exception as alone:  # noqa: BLE001
-                    outcome = alone
-            if not job.future.done():
-                job.future.set_exception(outcome) if isinstance(outcome, Exception) else job.future.set_result(outcome)
-
-    def fail_waiting(self) -> None:
-        """At shutdown: answer every queued job with 503."""
-        waiting = [self.carry] if self.carry else []
-        while not self.queue.empty():
-            waiting.append(self.queue.get_nowait())
-        for job in waiting:
-            if not job.future.done():
-                job.future.set_exception(HTTPException(503, "the server is shutting down"))
-        self.executor.shutdown(wait=False)
-
-
 def _one_line_validation(error: RequestValidationError) -> tuple[int, str]:
     """400 for a body that is not JSON, else 422; the problems on one line."""
     problems = []
@@ -191,19 +97,20 @@ def _one_line_validation(error: RequestValidationError) -> tuple[int, str]:
 
 
 def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 256, max_request_items: int = 4096,
-               max_body_bytes: int = 16 << 20, api_key: str | None = None, max_text_chars: int | None = None) -> FastAPI:
+               max_body_bytes: int = 16 << 20, api_key: str | None = None, max_text_chars: int | None = None,
+               max_request_seconds: float = DEFAULT_MAX_REQUEST_SECONDS) -> FastAPI:
     """The FastAPI app serving `scorer` (loaded here if it is not yet); no /docs, /redoc or /openapi.json."""
     info = scorer.info()
     max_text_chars = max_text_chars or CHARS_PER_TOKEN * (scorer.max_length or 65536)
-    state: dict[str, Batcher] = {}
+    state: dict[str, Scheduler] = {}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        batcher = state["batcher"] = Batcher(scorer, batch_size, max_queue)
-        task = asyncio.create_task(batcher.run(), name="esft-batcher")
+        scheduler = state["scheduler"] = Scheduler(scorer, batch_size, max_queue, max_request_seconds)
+        task = asyncio.create_task(scheduler.run(), name="esft-scheduler")
         yield
         task.cancel()
-        batcher.fail_waiting()
+        scheduler.fail_waiting()
 
     app = FastAPI(title="esft reward model", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(Guard, api_key=api_key, max_body=max_body_bytes)
@@ -219,27 +126,32 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
         logger.error("%s %s failed: %s", request.method, request.url.path, message)
         return JSONResponse({"detail": f"internal error: {message}"}, 500)
 
-    def checked(count: int) -> Batcher:
+    def checked(count: int) -> Scheduler:
         if count > max_request_items:
             raise HTTPException(413, f"{count} completions in one request, over the limit of {max_request_items} "
                                 "(--max-request-items); split the request")
-        return state["batcher"]
+        return state["scheduler"]
 
-    async def rewards_of(texts: list[str]) -> list[float]:
-        batcher = checked(len(texts))
+    async def rewards_of(texts: list[str], request: Request) -> list[float]:
+        scheduler = checked(len(texts))
         if problem := text_problem(texts, max_text_chars):
             raise problem
+        if not texts:
+            return []
+        watcher = asyncio.create_task(_client_gone(request))
         try:
-            return await batcher.score(texts) if texts else []
+            return await scheduler.score(texts, watcher)
         except HTTPException:
             raise
         except Exception as error:  # noqa: BLE001 - this request's own failure: one line, no traceback
             message = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
             logger.error("scoring %d text(s) failed: %s", len(texts), message)
             raise HTTPException(500, f"internal error: {message}") from None
+        finally:
+            watcher.cancel()
 
     @app.post("/score")
-    async def score(request: ScoreRequest) -> dict[str, list[float]]:
+    async def score(request: ScoreRequest, raw: Request) -> dict[str, list[float]]:
         checked(len(request.prompts))
         prompts = [p if isinstance(p, str) else [m.model_dump() for m in p] for p in request.prompts]
         completions = [c if isinstance(c, str) else [m.model_dump() for m in c] for c in request.completions]
@@ -247,20 +159,30 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
             texts = scorer.texts(prompts, completions)
         except Exception as error:  # noqa: BLE001 - the chat template refused these messages
             raise HTTPException(422, f"cannot render the messages with the model's chat template: {type(error).__name__}: {error}") from None
-        return {"rewards": await rewards_of(texts)}
+        return {"rewards": await rewards_of(texts, raw)}
 
     @app.post("/get_reward")
-    async def get_reward(request: GetRewardRequest) -> dict[str, list[float]]:
-        rewards = await rewards_of(request.query)
+    async def get_reward(request: GetRewardRequest, raw: Request) -> dict[str, list[float]]:
+        rewards = await rewards_of(request.query, raw)
         return {"rewards": rewards, "scores": rewards}
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        batcher = state["batcher"]
-        return {"status": "ok", **info, "batch_size": batch_size, "queue": batcher.queue.qsize(),
-                **vars(batcher.stats)}
+        scheduler = state["scheduler"]
+        return {"status": "ok", **info, "batch_size": batch_size, "max_request_seconds": max_request_seconds,
+                "queue": scheduler.waiting,
+                "requests_active": scheduler.active, **vars(scheduler.stats)}
 
     return app
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client has closed its connection. The body has been read: the next ASGI
+    message of this request is its disconnect (uvicorn sends it when the socket closes; a test
+    client once the answer is out)."""
+    with contextlib.suppress(Exception):  # a receive that fails: the connection is gone too
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -282,7 +204,8 @@ def _is_loopback(host: str) -> bool:
 
 def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, batch_size: int = 32, api_key_env: str | None = None,
           device: str = "auto", dtype: str = "auto", max_queue: int = 256, max_request_items: int = 4096,
-          max_body_mb: float = 16.0, max_text_chars: int | None = None) -> None:
+          max_body_mb: float = 16.0, max_text_chars: int | None = None,
+          max_request_seconds: float = DEFAULT_MAX_REQUEST_SECONDS) -> None:
     """Load the reward model, listen, serve until SIGTERM/SIGINT (then return). ConfigError or
     RewardModelError for bad settings, before anything is served."""
     import uvicorn
@@ -300,8 +223,9 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, batch_size: 
         raise ConfigError("port", f"must be 0-65535 (0 = any free port), got {port}")
     if max_text_chars is not None and max_text_chars < 1:
         raise ConfigError("max_text_chars", f"must be >= 1, got {max_text_chars}")
-    if not max_body_mb > 0:
-        raise ConfigError("max_body_mb", f"must be > 0, got {max_body_mb}")
+    for name, value in {"max_body_mb": max_body_mb, "max_request_seconds": max_request_seconds}.items():
+        if not value > 0:  # also NaN
+            raise ConfigError(name, f"must be > 0, got {value}")
     api_key = None
     if api_key_env is not None:
         api_key = os.environ.get(api_key_env)
@@ -317,7 +241,8 @@ def serve(model: str, *, host: str = "127.0.0.1", port: int = 8000, batch_size: 
     transformers_logging.disable_progress_bar()  # a server's log: no loading bars
     scorer = RewardModel(model, device=device, dtype=dtype, batch_size=batch_size, where=f"--model {model}")
     app = create_app(scorer, batch_size=batch_size, max_queue=max_queue, max_request_items=max_request_items,
-                     max_body_bytes=int(max_body_mb * (1 << 20)), api_key=api_key, max_text_chars=max_text_chars)
+                     max_body_bytes=int(max_body_mb * (1 << 20)), api_key=api_key, max_text_chars=max_text_chars,
+                     max_request_seconds=max_request_seconds)
     bound = sock.getsockname()[1]
     described = ", ".join(f"{k} {v}" for k, v in scorer.info().items() if k != "model")
     print(f"esft serve-reward: {model} ({described}) on http://{host if ':' not in host else f'[{host}]'}:{bound}", flush=True)
