@@ -254,6 +254,7 @@ def good_bodies(count: int) -> list[tuple[str, bytes]]:
     (b'{"prompts": [""], "completions": [""]}', "item 0: prompt + completion is empty"),
     (b'{"prompts": ["a"], "completions": ["\\ud800"]}', "item 0: character 1 is a lone surrogate"),
     (b'{"prompts": ["a", [{"role": "user", "content": "\\udfff"}]], "completions": ["b", "c"]}', "item 1:"),
+    (b'{"prompts": ["a", "b"], "completions": ["ok", "caf\xe9"]}', "item 1: its completion is not valid UTF-8"),
 ])
 def test_one_poisonous_request_fails_alone_among_32_good_ones(reward_server, tiny_reward_model_dir, poison, detail):
     from concurrent.futures import ThreadPoolExecutor

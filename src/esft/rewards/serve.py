@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import json
 import logging
 import os
 import signal
@@ -37,6 +38,7 @@ from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -96,6 +98,27 @@ def _one_line_validation(error: RequestValidationError) -> tuple[int, str]:
     return 422, "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else "")
 
 
+def _utf8_problem(body: bytes) -> str | None:
+    """For a body that fails to parse: which item holds bytes that are not UTF-8 (FastAPI says only
+    "There was an error parsing the body"), or None if the body is valid UTF-8."""
+    try:
+        body.decode("utf-8")
+        return None
+    except UnicodeDecodeError as error:
+        offset = error.start
+    try:
+        data = json.loads(body.decode("utf-8", "surrogateescape"))  # the bad bytes become U+DC80..U+DCFF
+    except ValueError:
+        data = None
+    escaped = lambda value: any("\udc80" <= c <= "\udcff" for c in json.dumps(value, ensure_ascii=False))  # noqa: E731
+    for field in ("completions", "prompts", "query"):
+        items = data.get(field) if isinstance(data, dict) else None
+        for index, value in enumerate(items if isinstance(items, list) else []):
+            if escaped(value):
+                return f"item {index}: its {field.rstrip('s')} is not valid UTF-8 (byte {offset} of the body); send UTF-8 text"
+    return f"the body is not valid UTF-8 (byte {offset}); send UTF-8 text"
+
+
 def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 256, max_request_items: int = 4096,
                max_body_bytes: int = 16 << 20, api_key: str | None = None, max_text_chars: int | None = None,
                max_request_seconds: float = DEFAULT_MAX_REQUEST_SECONDS) -> FastAPI:
@@ -119,6 +142,13 @@ def create_app(scorer: RewardModel, *, batch_size: int = 32, max_queue: int = 25
     async def validation_error(request: Request, error: RequestValidationError):
         status, message = _one_line_validation(error)
         return JSONResponse({"detail": message}, status)
+
+    @app.exception_handler(StarletteHTTPException)  # what FastAPI raises for a body it cannot parse
+    async def http_error(request: Request, error: HTTPException):
+        detail = error.detail
+        if error.status_code == 400 and detail == "There was an error parsing the body":
+            detail = _utf8_problem(b"".join(request.scope.get("state", {}).get("esft_body", []))) or detail
+        return JSONResponse({"detail": detail}, error.status_code, headers=error.headers)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, error: Exception):

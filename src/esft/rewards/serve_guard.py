@@ -62,11 +62,13 @@ class Guard:
         if not length.isdigit() or int(length) > self.max_body:
             return await JSONResponse({"detail": too_large}, 413)(scope, receive, send)
         received = 0
+        chunks = scope.setdefault("state", {})["esft_body"] = []  # the body as read: to name a bad item in an error
 
         async def limited_receive():
             nonlocal received
             message = await receive()
             received += len(message.get("body", b""))
+            chunks.append(message.get("body", b""))
             if received > self.max_body:
                 raise HTTPException(413, too_large)
             return message
