@@ -230,3 +230,28 @@ def test_your_own_run_resumes_without_the_opt_in_and_nobody_elses_does(tiny_mode
     key.chmod(0o644)  # a key others can read proves nothing
     exposed = run(mine, "eval", "--model", "runs/own/final")
     assert exposed.returncode == 2 and "pass --trust-run-code" in one_error_line(exposed)
+
+
+def test_eval_checks_the_digests_of_what_it_loads(small_run, tmp_path):
+    """Issue 52 item 6: a flipped byte in the weights, a truncated tokenizer.json: one line, exit 2, as
+    --resume says it; a checkpoint whose digests were removed is evaluated, said to be unverified."""
+    flipped = copy_run(small_run, tmp_path / "flipped")
+    weights = flipped / "final" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-5] ^= 0x01
+    weights.write_bytes(bytes(data))
+    proc = esft("eval", "--model", str(flipped / "final"), "--logging", "none", cwd=tmp_path)
+    one_error_line(proc, "model.safetensors does not match the digest", "evaluate an intact checkpoint")
+
+    truncated = copy_run(small_run, tmp_path / "truncated")
+    tokenizer = truncated / "final" / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text()[:100])
+    one_error_line(esft("eval", "--model", str(truncated / "final"), "--logging", "none", cwd=tmp_path),
+                   "tokenizer.json does not match the digest")
+
+    unverified = copy_run(small_run, tmp_path / "unverified")
+    edit_state(unverified / "final", lambda state: state.pop("files"))
+    proc = esft("eval", "--model", str(unverified / "final"), "--logging", "none", "--output-dir", str(tmp_path / "out"),
+                cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "records no digests of its files" in proc.stderr and "unverified" in proc.stderr

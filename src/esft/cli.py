@@ -17,7 +17,8 @@ from esft.models.prepared import add_prepare_parser, prepare_command
 from esft.sigma_scan import SCAN_OPTIONS, SCAN_SUMMARY, add_scan_arguments, run_scan
 from esft.settings.config import DEMO_PRESET, GROUPS, ConfigError, ESConfig
 from esft.settings.demo import demo_preset_for, preset_flags
-from esft.runs.eval_origin import run_settings_of, settings_line
+from esft.runs.checkpoint import CheckpointError
+from esft.runs.eval_origin import check_evaluated_weights, run_settings_of, settings_line
 from esft.runs.inherited import InheritedSettingsError, check_inherited, settings_of_run
 from esft.settings.trl_names import unknown_setting
 
@@ -234,6 +235,11 @@ def resolve_config(command: str, given: dict[str, Any]):
                             "algorithm, or start a new run")
     model = given.get("model", from_yaml.get("model"))
     adapter = given.get("lora_adapter", from_yaml.get("lora_adapter"))
+    if command == "eval":
+        try:
+            check_evaluated_weights(model, adapter)
+        except CheckpointError as error:
+            raise UserError(str(error)) from None
     if command == "eval" and (model or adapter) and (found := run_settings_of(model, adapter)):
         inherited, path, signed = found
         where = f"--lora-adapter {adapter}" if adapter and Path(adapter).expanduser() == path else f"--model {model}"
@@ -306,7 +312,6 @@ def main(argv: list[str] | None = None) -> int:
         return prepare_command(args)
     given = {k: v for k, v in vars(args).items() if k != "command"}
     scan_options = {k: given.pop(k) for k in SCAN_OPTIONS if k in given}  # sigma-scan's own flags
-    from esft.runs.checkpoint import CheckpointError
     from esft.engines.base import NonFiniteWeights
     from esft.rewards.runner import RewardError
     from esft.tasks.base import TaskError

@@ -7,6 +7,7 @@ RUN/final-merged` (LoRA-ES's merged export, no state of its own: its run's final
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,25 @@ def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple
         inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
         return inherited, path, _signed(path, config)
     return None
+
+
+def check_evaluated_weights(model: str | None, lora_adapter: str | None = None) -> None:
+    """Before `esft eval` loads a run's weights (a checkpoint, final/, or an adapter): CheckpointError when
+    a file is missing, altered, truncated or not a regular file (esft.runs.checkpoint.verify, as --resume
+    checks); a checkpoint that records no digests (written before they were, or removed) is evaluated
+    with one line saying its files are unverified."""
+    from esft.runs.checkpoint import verify
+
+    for candidate in (lora_adapter, model):
+        path = Path(candidate).expanduser() if candidate else None
+        if path is None or not is_checkpoint(path):
+            continue
+        problem = verify(path)
+        if problem is not None:
+            raise CheckpointError(f"{problem}; evaluate an intact checkpoint of the run")
+        if "files" not in read_state(path):
+            print(f"esft: warning: {path} records no digests of its files (written before esft recorded them, or "
+                  "removed): its weights and tokenizer are unverified", file=sys.stderr)
 
 
 def settings_line(config: Any) -> str:
