@@ -86,7 +86,7 @@ def test_an_explicit_run_name_in_use_is_refused(lively_model_dir, tmp_path):
         proc = run(toy(lively_model_dir, tmp_path, "--run-name", "busy", "--iterations", "1"), tmp_path)
         one_error_line(proc, "--run-name", f"{tmp_path / 'busy'} is in use by another esft process (pid {os.getpid()})")
     finally:
-        held.close()
+        held.discard_if_unused()  # claimed, never trained: its config.yaml (written at the claim) goes with it
     assert run(toy(lively_model_dir, tmp_path, "--run-name", "busy", "--iterations", "1"), tmp_path).returncode == 0
 
 

@@ -255,3 +255,26 @@ def test_eval_checks_the_digests_of_what_it_loads(small_run, tmp_path):
                 cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "records no digests of its files" in proc.stderr and "unverified" in proc.stderr
+
+
+def test_a_run_killed_while_its_model_loads_can_be_resumed(tiny_model_dir, tmp_path):
+    """Issue 52 item 8: config.yaml is written when the run directory is claimed, before the model
+    loads, so a run killed then resumes with its own settings instead of "not a run directory"."""
+    import signal
+    import time
+
+    argv = [sys.executable, str(TESTS / "toy_task.py"), "train", "--model", str(tiny_model_dir), "--task", "toy",
+            "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "2", "--train-size", "8",
+            "--eval-batch-size", "2", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path),
+            "--run-name", "killed", "--iterations", "1"]
+    proc = subprocess.Popen(argv, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    config = tmp_path / "killed" / "config.yaml"
+    deadline = time.monotonic() + HANG
+    while not config.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert config.exists() and not (tmp_path / "killed" / "metrics.jsonl").exists()  # killed before it trained
+    resumed = esft("train", "--resume", str(tmp_path / "killed"), "--no-progress", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert (tmp_path / "killed" / "final" / "model.safetensors").is_file()

@@ -153,7 +153,7 @@ def verify(checkpoint: Path) -> str | None:
             return f"{checkpoint}: model.safetensors is missing"
         if state["config"].get("dtype", "float32") != "float32" and not (checkpoint / MASTER_FILE).is_file():
             return f"{checkpoint / MASTER_FILE} (the float32 master of a {state['config']['dtype']} run) is missing"
-        return _unreadable_weights(checkpoint)
+        return None
     inside = checkpoint.resolve()
     for name, digest in sorted(files.items()):
         path = checkpoint / name

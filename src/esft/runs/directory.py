@@ -146,7 +146,7 @@ class RunDir:
 
     def discard_if_unused(self) -> None:
         """Remove a new run directory nothing was written to (setup failed), and release it."""
-        if self.resume is None and {p.name for p in self.path.iterdir()} <= {LOCK_FILE}:
+        if self.resume is None and {p.name for p in self.path.iterdir()} <= {LOCK_FILE, CONFIG_FILE}:
             shutil.rmtree(self._created or self.path, ignore_errors=True)
         self.close()
 
@@ -226,7 +226,9 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
                               f"{', ...' if len(foreign) > 3 else ''}); pick another --run-name or empty it")
         fd = _lock(path, flag)
         if not foreign and not any(entry.name != LOCK_FILE for entry in path.iterdir()):
-            return RunDir(path, fd, created=created)
+            run = RunDir(path, fd, created=created)
+            run.write_config(args)  # at once: a run killed while its model loads can still be resumed
+            return run
         os.close(fd)
         if args.run_name:
             raise ConfigError("run_name", f"{path} already holds a run; pass --resume {path} to continue it, "
