@@ -6,6 +6,7 @@ environment, which every Ray process the cluster starts inherits)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -105,6 +106,21 @@ def clusters(monkeypatch):
         assert not left, f"Ray processes left behind by the test: {left}"
 
 
+@contextlib.contextmanager
+def _bounded(seconds: int):
+    """TimeoutError after `seconds` (a driver waiting for room no node has would otherwise hang the test)."""
+    def out_of_time(signum, frame):
+        raise TimeoutError(f"still running after {seconds} s: waiting for room no node has?")
+
+    previous = signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 @pytest.mark.slow
 def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later_is_used(clusters, tiny_model_dir):
     """A worker node removed while both actors evaluate members: its actor's member is re-run on the
@@ -131,7 +147,8 @@ def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later
                 cluster.remove_node(lost)
 
         executor._member_done = remove_node
-        ours, theirs = step(pool, 0)
+        with _bounded(120):
+            ours, theirs = step(pool, 0)
         del executor._member_done
         assert lost not in cluster.worker_nodes and ours == theirs and len(set(ours)) > 1
         events = "\n".join(executor.events)
