@@ -6,7 +6,6 @@ environment, which every Ray process the cluster starts inherits)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -106,21 +105,6 @@ def clusters(monkeypatch):
         assert not left, f"Ray processes left behind by the test: {left}"
 
 
-@contextlib.contextmanager
-def _bounded(seconds: int):
-    """TimeoutError after `seconds` (a driver waiting for room no node has would otherwise hang the test)."""
-    def out_of_time(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s: waiting for room no node has?")
-
-    previous = signal.signal(signal.SIGALRM, out_of_time)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 @pytest.mark.slow
 def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later_is_used(clusters, tiny_model_dir):
     """A worker node removed while both actors evaluate members: its actor's member is re-run on the
@@ -147,8 +131,7 @@ def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later
                 cluster.remove_node(lost)
 
         executor._member_done = remove_node
-        with _bounded(120):
-            ours, theirs = step(pool, 0)
+        ours, theirs = step(pool, 0)  # before #52: waited forever here for room no node has
         del executor._member_done
         assert lost not in cluster.worker_nodes and ours == theirs and len(set(ours)) > 1
         events = "\n".join(executor.events)
@@ -232,7 +215,7 @@ def test_the_drivers_node_lost_the_last_checkpoint_is_complete_and_resume_on_a_n
     proc = esft("train", "--resume", str(run), "--reward-funcs", "toy_task:byte_reward", "--executor", "ray", "--ray-address",
                 second.address, "--workers", "2", cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"resum" in proc.stdout + proc.stderr, proc.stderr[-2000:]
+    assert "resum" in proc.stdout + proc.stderr, proc.stderr[-2000:]
     resumed = load_file(str(run / "final" / "model.safetensors"))
     undisturbed = load_file(str(tmp_path / "undisturbed" / "final" / "model.safetensors"))
     start = load_file(str(tiny_model_dir / "model.safetensors"))
