@@ -77,6 +77,10 @@ class ESActor:
         """(pid, node ip): names the actor in errors; the test kills the pid."""
         return os.getpid(), ray.util.get_node_ip_address()
 
+    def node_id(self) -> str:
+        """The Ray node this actor runs on (the node tests check where a replacement landed)."""
+        return ray.get_runtime_context().get_node_id()
+
     def process_settings(self) -> dict[str, str | int]:
         """What this actor's process runs with: malloc (esft.allocator) and torch threads."""
         import torch

@@ -77,6 +77,23 @@ def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
                       "trainer first, or restart the kernel")
 
 
+def room_for_one(args: ESConfig, wait_seconds: float = 0.0) -> str | None:
+    """None when the cluster has room for one more actor now (or within `wait_seconds`: the room of an
+    actor that just died comes back a moment after its death is reported), else what is short, e.g.
+    "1 CPU needed, 0 free": a node was lost and nothing can hold a replacement until one is added."""
+    need = {kind: amount for kind, amount in (("CPU", args.ray_cpus_per_worker), ("GPU", args.ray_gpus_per_worker))
+            if amount > 0}
+    deadline = time.monotonic() + wait_seconds
+    while True:
+        free = ray.available_resources()
+        short = {kind: amount for kind, amount in need.items() if free.get(kind, 0) < amount}
+        if not short:
+            return None
+        if time.monotonic() >= deadline:
+            return f"{_amounts(short)} needed, {_amounts({kind: free.get(kind, 0) for kind in short})} free"
+        time.sleep(0.25)
+
+
 def _amounts(resources: dict[str, float]) -> str:
     return ", ".join(f"{amount:g} {kind}" for kind, amount in resources.items())
 

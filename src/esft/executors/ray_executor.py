@@ -12,7 +12,9 @@ Fault tolerance: if an actor dies, the member (or share) it was evaluating goes 
 for the others, and a replacement actor is started and synchronised (base weights + the log of
 updates when the log is short; otherwise the weights of a live actor), then checked against the
 agreed checksum before it takes work. Rewards depend only on (weights, seed, batch), so the
-iteration finishes with exactly the rewards of a failure-free run.
+iteration finishes with exactly the rewards of a failure-free run. A lost node takes several actors
+at once and their room with them: a slot no node has room for stays vacant (one line), the run goes
+on with fewer actors, and the slot is filled again at the start of an iteration once a node has room.
 """
 
 from __future__ import annotations
@@ -22,17 +24,17 @@ import logging
 import sys
 from collections import deque
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import ray
 
 from esft.es.batches import PromptBatch, prompt_batch
-from esft.settings.config import ConfigError, ESConfig, model_path
-from esft.engines.base import Generation, NonFiniteWeights, Sampling
+from esft.settings.config import ConfigError, ESConfig
+from esft.engines.base import NonFiniteWeights
 from esft.executors.local import MemberResult, resolve_population_batching
 from esft.executors.ray_actor import ESActor
-from esft.executors.ray_cluster import check_room, close_cluster, open_cluster
+from esft.executors.ray_cluster import check_room, close_cluster, open_cluster, room_for_one
+from esft.executors.ray_engine import RayEngine
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,8 @@ class RayExecutor:
     """Replacements replay at most this many logged updates; beyond, they copy a live actor."""
     max_replacements = 5
     """Replacements per slot before the run stops (an actor that keeps dying is not bad luck)."""
+    room_wait = 10.0
+    """Seconds a replacement waits for room (a dead actor's comes back a moment later) before its slot is left vacant."""
 
     def __init__(self, args: ESConfig, task, model: str | None = None):
         self.args, self.task, self.model = args, task, model
@@ -106,18 +110,23 @@ class RayExecutor:
             actor.set_task.remote(self._task_ref, self.population_batching)
         return actor
 
+    def _live(self) -> list[_Slot]:
+        """The slots that hold an actor (a slot is vacant while no node has room for its replacement)."""
+        return [slot for slot in self.slots if slot.actor is not None]
+
     def _ship_task(self) -> None:
         """Send the task to every actor once (before the first members); an actor found dead is replaced."""
         if self._task_ref is not None:
             return
         self._task_ref = ray.put(self.task)
-        futures = {slot.actor.set_task.remote(self._task_ref, self.population_batching): slot for slot in self.slots}
+        futures = {slot.actor.set_task.remote(self._task_ref, self.population_batching): slot for slot in self._live()}
         for future, slot in futures.items():
             try:
                 ray.get(future)
             except ray.exceptions.RayActorError as error:
                 self._report(f"{slot.name} died before its first work ({type(error).__name__}); starting a replacement")
-                self._joined(slot, self._replace(slot), {}, wait=True)  # the replacement gets the task as it starts
+                if (replacement := self._replace(slot)) is not None:  # it gets the task as it starts
+                    self._joined(slot, replacement, {}, wait=True)
 
     def _report(self, message: str) -> None:
         self.events.append(message)
@@ -135,13 +144,13 @@ class RayExecutor:
         self._ship_task()
         expected = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch.iteration)
         payload = None if expected.rows == batch.rows else list(batch.rows)
-        share = -(-len(member_seeds) // len(self.slots)) if self.population_batching else 1
+        starting: dict[Any, _Slot] = self._refill()  # vacant slots a node has room for again
+        share = -(-len(member_seeds) // max(1, len(self._live()))) if self.population_batching else 1
         pending = deque(list(range(start, min(start + share, len(member_seeds))))
                         for start in range(0, len(member_seeds), share))
         results: list[MemberResult | None] = [None] * len(member_seeds)
-        idle = deque(self.slots)
+        idle = deque(slot for slot in self._live() if slot not in starting.values())
         running: dict[Any, tuple[_Slot, list[int]]] = {}
-        starting: dict[Any, _Slot] = {}
         for slot in self.slots:
             slot.members = 0
         while pending or running:
@@ -166,7 +175,8 @@ class RayExecutor:
                 self._report(f"{slot.name} died while evaluating {which} ({type(error).__name__}); "
                              "re-running them on the other actors and starting a replacement")
                 pending.appendleft(indices)
-                starting[self._replace(slot)] = slot
+                if (replacement := self._replace(slot)) is not None:
+                    starting[replacement] = slot
                 continue
             slot.members += len(indices)
             idle.append(slot)
@@ -181,12 +191,32 @@ class RayExecutor:
     def _member_done(self, slot: _Slot, index: int) -> None:
         """Hook called after each member's result arrives (the kill test uses it)."""
 
+    def _refill(self) -> dict:
+        """Start replacements in the vacant slots the cluster has room for now; {sync future: slot}."""
+        starting = {}
+        for slot in self.slots:
+            if slot.actor is None and room_for_one(self.args) is None:
+                self._report(f"the cluster has room again: starting a replacement for actor {slot.index}")
+                if (replacement := self._replace(slot)) is not None:
+                    starting[replacement] = slot
+        return starting
+
     def _replace(self, slot: _Slot):
-        """Start a new actor in `slot`; returns the future of its synchronisation (its checksum)."""
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:  # already gone
-            pass
+        """Start a new actor in `slot`; returns the future of its synchronisation (its checksum), or None
+        when no node has room for it within `room_wait` s (a lost node): the slot is left vacant."""
+        if slot.actor is not None:
+            try:
+                ray.kill(slot.actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        slot.identity = slot.actor = None
+        short = room_for_one(self.args, self.room_wait)
+        if short is not None:
+            survivors = len(self._live())
+            self._report(f"no node has room for a replacement of actor {slot.index} ({short}; a node was lost?): "
+                         f"going on with {survivors} actor{'s' if survivors != 1 else ''}, and the replacement starts "
+                         "at the first iteration a node has room again")
+            return None
         slot.generation += 1
         if slot.generation > self.max_replacements:
             raise RuntimeError(f"actor {slot.index} died {slot.generation} times; stopping (see the Ray logs)")
@@ -208,6 +238,8 @@ class RayExecutor:
             except ray.exceptions.RayActorError as error:
                 self._report(f"replacement for actor {slot.index} died while starting ({error}); starting another")
                 future = self._replace(slot)
+                if future is None:
+                    return False
                 if wait:
                     continue
                 starting[future] = slot
@@ -223,7 +255,7 @@ class RayExecutor:
         state); then their checksums must agree."""
         seeds, coefficients = [int(s) for s in member_seeds], [float(c) for c in coefficients]
         self.updates.append((seeds, coefficients, float(learning_rate)))
-        futures = {slot.actor.update.remote(seeds, coefficients, float(learning_rate)): slot for slot in self.slots}
+        futures = {slot.actor.update.remote(seeds, coefficients, float(learning_rate)): slot for slot in self._live()}
         checksums: dict[int, str] = {}
         for future, slot in futures.items():
             try:
@@ -239,6 +271,8 @@ class RayExecutor:
             except ray.exceptions.RayActorError:
                 self._report(f"{slot.name} died during the update; starting a replacement")
                 replacement = self._replace(slot)  # replays the log, which holds this update
+                if replacement is None:
+                    continue
                 self._checksum = None  # checked against the survivors below
                 checksums[slot.index] = ray.get(replacement)
                 slot.identity = tuple(ray.get(slot.actor.identity.remote()))
@@ -247,10 +281,13 @@ class RayExecutor:
     def _agreed(self, checksums) -> str:
         """The common checksum, or ReplicaMismatch naming the actors in each group."""
         if not isinstance(checksums, dict):
-            checksums = {slot.index: c for slot, c in zip(self.slots, checksums)}
+            checksums = {slot.index: c for slot, c in zip(self._live(), checksums)}
+        if not checksums:
+            raise RuntimeError("no Ray actor is left: every node holding one was lost, and none has room for a replacement")
         groups: dict[str, list[str]] = {}
         for slot in self.slots:
-            groups.setdefault(checksums[slot.index], []).append(slot.name)
+            if slot.index in checksums:
+                groups.setdefault(checksums[slot.index], []).append(slot.name)
         if len(groups) > 1:
             detail = "; ".join(f"{', '.join(names)}: {checksum}" for checksum, names in groups.items())
             raise ReplicaMismatch(f"Ray actors hold different weights after iteration {len(self.updates)}: {detail}")
@@ -258,7 +295,7 @@ class RayExecutor:
 
     def checksum(self) -> str:
         """The checksum every actor agrees on (checked now)."""
-        return self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
+        return self._agreed(ray.get([slot.actor.checksum.remote() for slot in self._live()]))
 
     def update_ratio(self) -> float | None:
         """‖Δθ‖/‖θ‖ of the last update, from one actor (all apply the same update)."""
@@ -266,14 +303,16 @@ class RayExecutor:
 
     def _call_one(self, method: str, *args, **kwargs):
         """Run a call on the first actor that answers (evaluation, saving)."""
-        for slot in self.slots:
+        for slot in self._live():
             try:
                 return ray.get(getattr(slot.actor, method).remote(*args, **kwargs))
             except ray.exceptions.RayActorError:
                 self._report(f"{slot.name} died during {method}; starting a replacement")
-                ray.get(self._replace(slot))
-                slot.identity = tuple(ray.get(slot.actor.identity.remote()))
-        return ray.get(getattr(self.slots[0].actor, method).remote(*args, **kwargs))
+                if (replacement := self._replace(slot)) is not None:
+                    ray.get(replacement)
+                    slot.identity = tuple(ray.get(slot.actor.identity.remote()))
+        self._agreed({})  # no actor left: says so
+        return ray.get(getattr(self._live()[0].actor, method).remote(*args, **kwargs))
 
     def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling=None):
         """Completions of the unperturbed model (evaluation), from one actor."""
@@ -284,7 +323,7 @@ class RayExecutor:
         Each actor first stops its engine, for ~10 s at most (a busy one is killed): killed outright, a vLLM
         engine leaves its socket files and a zombie worker behind."""
         atexit.unregister(self.close)
-        slots = getattr(self, "slots", []) if self._on_cluster else []
+        slots = [slot for slot in getattr(self, "slots", []) if slot.actor is not None] if self._on_cluster else []
         try:
             ray.wait(closing := [slot.actor.close.remote() for slot in slots], num_returns=len(closing), timeout=10)
         except Exception:  # noqa: BLE001 - Ray already shut down by the user: the actors are gone with it
@@ -297,81 +336,3 @@ class RayExecutor:
         if self._on_cluster:
             self._on_cluster = False
             close_cluster()
-
-
-class RayEngine:
-    """The Engine (esft.engines.base) of a run whose weights live in Ray actors: every call goes to
-    the actors (all of them for weight changes, one for reads), so checkpoints, resume and
-    evaluation work as with an in-process engine."""
-
-    def __init__(self, executor: RayExecutor):
-        from transformers import AutoTokenizer
-
-        self._executor = executor
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path(executor.args, executor.model))
-        self._names: list[str] | None = None
-
-    def _all(self, method: str, *args) -> list:
-        return ray.get([getattr(slot.actor, method).remote(*args) for slot in self._executor.slots])
-
-    def perturb(self, member_seed: int, sigma: float) -> None:
-        self._all("perturb", member_seed, sigma)
-
-    def restore(self) -> None:
-        self._all("restore")
-
-    def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
-        self._executor.update(member_seeds, coefficients, learning_rate)
-
-    def generate(self, prompts: Sequence[str], mini_batch_size: int | None = None,
-                 sampling: Sampling | None = None) -> Generation:
-        return self._executor.generate(prompts, mini_batch_size, sampling)
-
-    def checksum(self) -> str:
-        return self._executor.checksum()
-
-    def master_state(self) -> dict:
-        return self._executor._call_one("master_state")
-
-    def load_master_state(self, state: dict) -> None:
-        """Every actor loads `state`; it becomes the base replacements start from."""
-        executor = self._executor
-        executor._base_ref = ray.put({name: tensor.clone() for name, tensor in state.items()})
-        executor.updates = []
-        executor._checksum = executor._agreed(ray.get([slot.actor.load_master_state.remote(executor._base_ref) for slot in executor.slots]))
-
-    def optimizer_state(self) -> dict:
-        return self._executor._call_one("optimizer_state")
-
-    def load_optimizer_state(self, state: dict) -> None:
-        """Every actor loads `state` (after load_master_state); replacements start from it too."""
-        executor = self._executor
-        executor._base_optimizer_ref = ray.put({name: tensor.clone() for name, tensor in state.items()})
-        ray.get([slot.actor.load_optimizer_state.remote(executor._base_optimizer_ref) for slot in executor.slots])
-
-    def trainable_names(self) -> list[str]:
-        if self._names is None:
-            self._names = self._executor._call_one("trainable_names")
-        return list(self._names)
-
-    def num_trainable(self) -> int:
-        return self._executor._call_one("num_trainable")
-
-    def max_length(self) -> int | None:
-        return self._executor._call_one("max_length")
-
-    def embedding_rows(self) -> int | None:
-        return self._executor._call_one("embedding_rows")
-
-    def feeds_padding(self) -> bool:
-        return self._executor._call_one("feeds_padding")
-
-    def save_pretrained(self, path: str | Path) -> None:
-        path = Path(path)
-        for name, data in self._executor._call_one("saved_files").items():
-            target = path / name
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(data)
-
-    def close(self) -> None:
-        self._executor.close()
