@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import stat
-from pathlib import Path
 from typing import Any
 
 from esft.models.gguf import cache_root
@@ -87,12 +86,3 @@ def signed_yaml(settings: dict[str, Any], body: str) -> str:
     """config.yaml's text: the signature line (when a key exists) and the YAML `body` of `settings`."""
     signature = sign(settings)
     return body if signature is None else f"{YAML_PREFIX}{signature}\n{body}"
-
-
-def state_signed_by_user(path: Path) -> bool:
-    """Whether a checkpoint's trainer_state.json (already read and checked by esft.runs.checkpoint) is
-    signed by this user: `config` against `settings_signature`."""
-    from esft.runs.checkpoint import read_state
-
-    state = read_state(path)
-    return signed_by_user(state["config"], state.get("settings_signature"))
