@@ -76,9 +76,12 @@ class Run:
             recorded = json.loads(read_regular_text(self.path / STATUS_FILE, 64 * KIB)).get("status")
         except (OSError, ValueError, AttributeError, RecursionError):  # a pipe, a device, a hand edit: no status
             recorded = None
-        if recorded in ("stopped: budget", "stopped: error", "interrupted"):
-            return f"{recorded} at iteration {self.last_iteration} of {planned}"
-        if isinstance(recorded, str) and recorded.startswith("complete: "):  # e.g. "the weights never moved (...)"
+        if not isinstance(recorded, str):
+            recorded = None
+        for ending in ("stopped: budget", "stopped: error", "interrupted"):  # + ": what was wrong", e.g. never moved
+            if recorded is not None and (recorded == ending or recorded.startswith(ending + ": ")):
+                return f"{ending} at iteration {self.last_iteration} of {planned}{recorded[len(ending):][:300]}"
+        if recorded is not None and recorded.startswith("complete: "):  # e.g. "the weights never moved (...)"
             return recorded[:300]
         if recorded == "complete" or planned is None or self.last_iteration >= planned:
             return "complete"
