@@ -23,39 +23,31 @@ SHOWN = ("task", "train_data", "eval_data", "reward_funcs", "reward_model", "rew
 """The settings of an evaluation's one line (esft eval prints it every time)."""
 
 
-def _config_of(path: Path) -> dict[str, Any] | None:
-    """The run settings recorded for a weights directory, or None if it is not a run's."""
+def _config_of(path: Path) -> tuple[dict[str, Any], bool] | None:
+    """The run settings recorded for a weights directory, and whether they carry this user's signature
+    (esft.runs.signature); None if it is not a run's."""
     if is_checkpoint(path):
         try:
-            return read_state(path)["config"]
+            state = read_state(path)
         except CheckpointError:
             return None
+        return state["config"], signed_by_user(state["config"], state.get("settings_signature"))
     if path.name == "final-merged" and path.is_dir():  # LoRA-ES: the run's final/ holds the state
         found = _config_of(path.parent / "final")
         if found is not None:
             return found
         config_file = path.parent / "config.yaml"
         if config_file.is_file():
+            from esft.files import SETTINGS_LIMIT, read_regular_text
             from esft.runs.directory import ResumeError, read_run_yaml
+            from esft.runs.signature import yaml_signature
 
             try:
-                return read_run_yaml(config_file)
+                config = read_run_yaml(config_file)
             except ResumeError:
                 return None
+            return config, signed_by_user(config, yaml_signature(read_regular_text(config_file, SETTINGS_LIMIT)))
     return None
-
-
-def _signed(path: Path, config: dict[str, Any]) -> bool:
-    """Whether the settings found for `path` (_config_of) carry this user's signature."""
-    for checkpoint in (path, path.parent / "final"):
-        if is_checkpoint(checkpoint):
-            try:
-                state = read_state(checkpoint)
-            except CheckpointError:
-                return False
-            if state["config"] == config:
-                return signed_by_user(config, state.get("settings_signature"))
-    return False
 
 
 def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple[dict[str, Any], Path, bool] | None:
@@ -65,12 +57,13 @@ def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple
         if not candidate:
             continue
         path = Path(candidate).expanduser()
-        config = _config_of(path)
-        if config is None:
+        found = _config_of(path)
+        if found is None:
             continue
+        config, signed = found
         inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
         inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
-        return inherited, path, _signed(path, config)
+        return inherited, path, signed
     return None
 
 
