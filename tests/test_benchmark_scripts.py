@@ -258,5 +258,5 @@ def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir,
         curve = record["curve"]
         assert curve[0]["completions"] == 0 and curve[-1]["completions"] >= 16
         assert sum(curve[-1]["labels"].values()) == 200  # every held-out answer labelled
-        assert 0.0 <= record["sampled"]["pass@1"] <= record["sampled"]["pass@8"] <= 1.0
+        assert 0.0 <= record["sampled"]["pass@1"] <= record["sampled"]["pass@4"] <= 1.0
     assert "| GRPO, best lr |" in proc.stdout and plot.stat().st_size > 10_000
