@@ -114,16 +114,16 @@ def test_arithmetic_trains_from_the_cli_in_chat_form_with_its_labels_logged(tiny
 
 
 def test_the_smollm2_recipe_config_is_what_its_docs_say(tiny_model_dir, tmp_path):
-    """examples/smollm2-arithmetic.yaml: the settings measured on SmolLM2; the file runs as the docs call it
+    """examples/smollm2-times-table.yaml: the settings measured on SmolLM2; the file runs as the docs call it
     (here on the tiny model, later flags shrinking the run)."""
     import yaml
 
-    recipe = Path(__file__).parents[1] / "examples" / "smollm2-arithmetic.yaml"
+    recipe = Path(__file__).parents[1] / "examples" / "smollm2-times-table.yaml"
     settings = yaml.safe_load(recipe.read_text())
-    assert settings | {"sigma": 0.01} == settings and settings["noise"] == "lowrank" and settings["task"] == "arithmetic"
+    assert settings | {"sigma": 0.01} == settings and settings["noise"] == "lowrank" and settings["task"] == "times-table"
     proc, _ = esft("train", "--config", str(recipe), "--model", str(tiny_model_dir), "--iterations", "1",
                    "--population-size", "2", "--batch-size", "2", "--eval-size", "4", "--max-tokens", "4", "--no-progress",
                    "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
-    assert (config["task"], config["noise"], config["sigma"], config["alpha"]) == ("arithmetic", "lowrank", 0.01, 0.005)
+    assert (config["task"], config["noise"], config["sigma"], config["alpha"]) == ("times-table", "lowrank", 0.01, 0.005)
