@@ -71,6 +71,8 @@ class RandOptTrainer(ESTrainer):
         check_identity(record, self.args.to_dict() | {"validation_size": record["settings"].get("validation_size")},
                        str(path))
         self.record, self.kept = record, list(record.get("kept") or top_k(record["members"], self.args.randopt_top_k))
+        voters = f"the vote of the {len(self.kept)}" if self.task.answer is not None else "the best of the"
+        print(f"esft: evaluating {voters} members kept in {path}", file=sys.stderr)
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:
