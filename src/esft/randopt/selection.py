@@ -3,11 +3,15 @@ weights that fold them into one model. We MAXIMIZE reward.
 
 RandOpt (Gan & Isola, "Neural Thickets", arXiv 2603.12228): sample N Gaussian perturbations θ + σ·εᵢ of a
 pretrained model once, score each on a small validation set, keep the K best and answer by majority vote
-of the K. Consolidation (CoRP, arXiv 2605.31494, as issue 53 describes it: "the rewarded population folded
-into one model, reward-weighted, with a validation gate"): θ + σ·Σ wᵢ·εᵢ over the K kept members, with
-wᵢ = softmax(zᵢ), zᵢ their z-scored validation rewards (esft's choice of weights: the members' rewards, on
-the scale ES's own update uses, made positive and summing to 1, so the combination stays in the span of
-the kept perturbations at σ); kept only if it beats the base model on the validation split.
+of the K.
+
+Consolidation, after CoRP (Consolidating Rewarded Perturbations, arXiv 2605.31494), which folds the rewarded
+population into one model by reward-weighted aggregation, compatibility-aware reweighting and a held-out
+validation gate. esft implements the first and the last: θ + σ·Σ wᵢ·εᵢ over the K kept members with
+wᵢ = softmax(zᵢ), zᵢ their z-scored validation rewards (esft's choice of weights: ES's own shaping, made
+positive and summing to 1, so the combination stays in the span of the kept perturbations at σ), kept only
+if it beats the base model on the validation split. CoRP's reweighting of each perturbation by its
+alignment with the reward-weighted direction is not implemented.
 """
 
 from __future__ import annotations
