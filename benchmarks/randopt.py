@@ -48,14 +48,15 @@ def randopt(seed: int, budget: int, population: int, eval_size: int, runs: Path)
                     randopt_top_k=max(KS), eval_size=eval_size, logging="none", progress=False,
                     output_dir=str(runs), run_name=f"randopt-b{budget}-n{population}-s{seed}-{int(time.time())}")
     trainer = RandOptTrainer(args=args)
-    cache: dict[int, object] = {}
+    cache: dict[tuple, object] = {}
     generations = trainer._member_generations
 
-    def cached(seeds, prompts, *rest):  # a member's held-out completions, generated once for every K
-        missing = [s for s in seeds if s not in cache]
+    def cached(seeds, prompts, *rest):  # a member's completions of these prompts, generated once for every K
+        key = tuple(prompts)
+        missing = [s for s in seeds if (s, key) not in cache]
         for s, g in zip(missing, generations(missing, prompts, *rest) if missing else []):
-            cache[s] = g
-        return [cache[s] for s in seeds]
+            cache[s, key] = g
+        return [cache[s, key] for s in seeds]
 
     trainer._member_generations = cached
     started = time.perf_counter()
