@@ -14,6 +14,8 @@ from esft.settings.variants import VariantFields
 RANDOPT_UNUSED = ("alpha", "batch_size", "optimizer", "weight_decay", "sigma_schedule", "alpha_schedule",
                   "reward_shaping", "eval_every")
 """ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""
+RANDOPT_OWN = ("randopt_top_k", "validation_size", "randopt_consolidate")
+"""The settings only --algorithm randopt uses."""
 
 
 @dataclass
@@ -38,9 +40,8 @@ class RandOptFields(VariantFields):
 def check_randopt(config) -> None:
     """ConfigError naming the first invalid RandOpt setting (or one RandOpt does not use) and how to fix it."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    own = ("randopt_top_k", "validation_size", "randopt_consolidate")
     if config.algorithm != "randopt":
-        for name in own:
+        for name in RANDOPT_OWN:
             if getattr(config, name) != defaults[name]:
                 raise ConfigError(name, f"is a setting of --algorithm randopt, which this run does not use "
                                   f"(--algorithm {config.algorithm}); add --algorithm randopt or drop it")
