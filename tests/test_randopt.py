@@ -16,6 +16,7 @@ from esft.randopt.selection import consolidation_weights, top_k, validation_indi
 from esft.randopt.trainer import CHUNK, RandOptTrainer
 from esft.runs.metric_keys import entry_for
 from esft.settings.config import ConfigError, ESConfig
+from esft.tasks.base import TaskError
 from esft.tasks.countdown import final_answer as countdown_answer
 from esft.tasks.arithmetic import final_answer as arithmetic_answer
 from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
@@ -62,7 +63,7 @@ def test_randopt_settings_are_checked_before_anything_loads():
 
 # ----------------------------------------------------------------------------- a trainer on a tiny model
 def toy_trainer(model_dir, tmp_path, **settings) -> RandOptTrainer:
-    args = ESConfig(algorithm="randopt", sigma=0.05, output_dir=str(tmp_path), **(QUIET | settings))
+    args = ESConfig(algorithm="randopt", output_dir=str(tmp_path), **(QUIET | {"sigma": 0.05} | settings))
     return RandOptTrainer(str(model_dir), reward_funcs=[byte_reward], args=args, train_dataset=toy_rows(12),
                           eval_dataset=toy_rows(3, start=1000), accuracy_func=exact_answer)
 
@@ -134,6 +135,12 @@ def test_a_resumed_run_does_not_score_its_members_again(tiny_model_dir, tmp_path
     rows = read_jsonl(tmp_path / "r" / "metrics.jsonl")
     assert [row["iteration"] for row in rows] == [0, 1, 2] and rows[-1]["budget/completions"] == population
     resumed.close()
+
+    other = toy_trainer(tiny_model_dir, tmp_path, population_size=population, validation_size=1, sigma=0.1,
+                        randopt_consolidate=False, resume=str(tmp_path / "r"))
+    with pytest.raises(TaskError, match="sigma=0.05, this run has 0.1"):  # other members: never mixed in
+        other.train()
+    other.close()
 
 
 # ----------------------------------------------------------------------------- the command line

@@ -26,7 +26,7 @@ from esft.loop.reward_faults import count_failures, failure_summary, member_rewa
 from esft.randopt.selection import consolidation_weights, top_k, validation_indices, vote
 from esft.rewards.runner import RewardFunc
 from esft.runs.metrics import MetricsLogger
-from esft.runs.randopt_record import (RECORD_FILE, RecordError, check_identity, identity_of, read_record,
+from esft.runs.randopt_record import (MEMBERS, RECORD_FILE, RecordError, check_identity, identity_of, read_record,
                                       record_path, write_record)
 from esft.settings.config import ConfigError, ESConfig, es_config
 from esft.tasks.base import Task, TaskError
@@ -68,8 +68,7 @@ class RandOptTrainer(ESTrainer):
         """Vote with the members kept in a RandOpt record (a run directory or its randopt.json), whose
         settings must be these (RecordError otherwise)."""
         record = read_record(path)
-        check_identity(record, self.args.to_dict() | {"validation_size": record["settings"].get("validation_size")},
-                       str(path))
+        check_identity(record, self.args.to_dict(), str(path), MEMBERS)  # --max-tokens, data... may differ
         self.record, self.kept = record, list(record.get("kept") or top_k(record["members"], self.args.randopt_top_k))
         voters = f"the vote of the {len(self.kept)}" if self.task.answer is not None else "the best of the"
         print(f"esft: evaluating {voters} members kept in {path}", file=sys.stderr)

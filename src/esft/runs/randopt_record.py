@@ -16,8 +16,9 @@ FORMAT = 1
 IDENTITY = ("model", "task", "train_data", "train_rows", "train_size", "difficulty", "seed", "sigma", "noise",
             "rank", "trainable", "antithetic", "dtype", "population_size", "validation_size", "max_tokens",
             "prompt_format", "reward_funcs", "reward_weights", "failed_samples")
-"""The settings that decide which members exist and how they score: a record is resumed (and its
-members evaluated) only under the same ones."""
+"""The settings that decide which members exist and how they score: a record is resumed only under the same ones."""
+MEMBERS = ("model", "seed", "sigma", "noise", "rank", "trainable", "antithetic", "dtype")
+"""The settings that decide which weights a seed stands for: a record's members are evaluated only under these."""
 
 
 class RecordError(ValueError):
@@ -58,9 +59,9 @@ def identity_of(config: dict[str, Any]) -> dict[str, Any]:
     return {name: config.get(name) for name in IDENTITY}
 
 
-def check_identity(record: dict[str, Any], config: dict[str, Any], where: str) -> None:
-    """RecordError naming the first setting that differs from the record's (its members would be others)."""
+def check_identity(record: dict[str, Any], config: dict[str, Any], where: str, names: tuple[str, ...] = IDENTITY) -> None:
+    """RecordError naming the first of `names` whose setting differs from the record's (its members would be others)."""
     for name, value in record.get("settings", {}).items():
-        if config.get(name) != value:
+        if name in names and config.get(name) != value:
             raise RecordError(f"{where} was scored with {name}={value!r}, this run has {config.get(name)!r}: its "
                               f"members would be other ones; use the record's settings or start a new run")
