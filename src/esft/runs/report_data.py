@@ -152,8 +152,10 @@ def applies(key: str, run: Run) -> bool:
 
     if key in RANDOPT_OWN:
         return run.algorithm == "randopt"
-    if key in ES_ONLY_SETTINGS:  # RandOpt's members are ES's, but it has no update and no schedule
-        return run.algorithm == "es" or (run.algorithm == "randopt" and key not in RANDOPT_UNUSED)
+    if run.algorithm == "randopt" and key in (*RANDOPT_UNUSED, "iterations"):  # no update, no iterations
+        return False
+    if key in ES_ONLY_SETTINGS:  # RandOpt's members are ES's
+        return run.algorithm in ("es", "randopt")
     return run.algorithm == "grpo" or key not in grpo_settings()
 
 
