@@ -143,6 +143,16 @@ def test_a_resumed_run_does_not_score_its_members_again(tiny_model_dir, tmp_path
     other.close()
 
 
+def test_the_completion_budget_ends_the_scoring_at_the_member_it_allows(tiny_model_dir, tmp_path, one_torch_thread):
+    trainer = toy_trainer(tiny_model_dir, tmp_path, population_size=CHUNK, validation_size=2, budget_completions=7,
+                          randopt_top_k=2, randopt_consolidate=False)
+    trainer.train()  # 3 members of 2 validation rows fit in 7 completions; a 4th, one at a time, reaches it
+    assert len(trainer.record["members"]) == 4 and len(trainer.kept) == 2
+    assert read_jsonl(trainer.run_dir / "metrics.jsonl")[-1]["budget/completions"] == 8
+    assert json.loads((trainer.run_dir / "status.json").read_text())["status"] == "stopped: budget"
+    trainer.close()
+
+
 # ----------------------------------------------------------------------------- the command line
 def test_esft_train_randopt_writes_seeds_scores_and_a_model_and_esft_eval_votes(tiny_model_dir, tmp_path):
     flags = ["--model", str(tiny_model_dir), "--task", "arithmetic", "--population-size", "4", "--randopt-top-k", "2",

@@ -131,7 +131,7 @@ class RandOptTrainer(ESTrainer):
         members = self.record["members"]
         while len(members) < len(seeds) and not budget_spent(args, self._budget):
             started = time.perf_counter()
-            chunk = seeds[len(members):len(members) + CHUNK]
+            chunk = seeds[len(members):len(members) + self._room()]
             self._tell_rewards()
             results = self.executor.evaluate_population(chunk, PromptBatch(0, self.validation), args.sigma)
             batches = [result.scores for result in results]
@@ -150,6 +150,14 @@ class RandOptTrainer(ESTrainer):
         if (stop := budget_spent(args, self._budget)) and len(members) < len(seeds):
             say(f"esft: {stop} after {len(members)} of {len(seeds)} members: selecting among them")
         return self._select_and_finish(members)
+
+    def _room(self) -> int:
+        """Members in the next chunk: CHUNK, or fewer where --budget-completions leaves room for fewer (at
+        least one: as an ES iteration, the chunk that reaches the budget is finished)."""
+        if self.args.budget_completions is None:
+            return CHUNK
+        left = self.args.budget_completions - self._budget["completions"]
+        return max(1, min(CHUNK, left // len(self.validation)))
 
     def _begin_scoring(self) -> list[int]:
         """config.yaml, the record (resumed: its members are not scored again), the metrics rows it
