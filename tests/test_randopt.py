@@ -19,6 +19,7 @@ from esft.settings.config import ConfigError, ESConfig
 from esft.tasks.base import TaskError
 from esft.tasks.countdown import final_answer as countdown_answer
 from esft.tasks.arithmetic import final_answer as arithmetic_answer
+from esft.tasks.math_grading import final_answer as math_answer
 from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
 from toy_task import byte_reward, exact_answer, toy_rows
 
@@ -41,6 +42,7 @@ def test_tasks_extract_the_answer_members_vote_on():
     assert countdown_answer("x</think>\n<answer> (1 + 2) * 3 </answer>") == "(1+2)*3"
     assert countdown_answer("no answer") is None
     assert arithmetic_answer("It is 1,410.") == "1410" and arithmetic_answer("none") is None
+    assert math_answer("so \\boxed{\\dfrac{1}{2}}.") == math_answer("\\boxed{\\frac{1}{2}}") and math_answer("2") is None
 
 
 def test_top_k_and_the_consolidation_weights():
