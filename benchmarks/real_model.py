@@ -1,5 +1,6 @@
-"""ES against GRPO on a real pretrained model: SmolLM2-135M-Instruct (`esft prepare-model`) on `--task arithmetic`
-("What is 47 * 6?", chat format, 200 held-out problems, 16 tokens), at the same number of training completions.
+"""ES against GRPO on a real pretrained model: SmolLM2-135M-Instruct (`esft prepare-model`) on `--task times-table`
+(products of 2..12 in five phrasings, chat format, 200 held-out problems of 40 pairs never trained on, 16 tokens;
+`--task arithmetic` with --task), at the same number of training completions.
 
 Every configuration is an ordinary `esft train` command run as a subprocess with OMP_NUM_THREADS=1, stopped by
 --budget-completions (default 1,024: 8 ES iterations of 8 members x 16 prompts; 128 GRPO steps of 8 completions)
@@ -34,7 +35,7 @@ sys.path.insert(0, str(HERE))
 from es_vs_grpo import mean_std, pm, run  # noqa: E402  (the same subprocess runner and statistics)
 
 PLOT = HERE.parent / "docs" / "images" / "real_model.png"
-TASK = ["--task", "arithmetic", "--max-tokens", "16", "--eval-size", "200"]
+LIMITS = ["--max-tokens", "16", "--eval-size", "200"]
 ES = {"es": ["--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "8", "--batch-size", "16"],
       "es-b8": ["--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "8", "--batch-size", "8"]}
 GRPO_COMPLETIONS_PER_STEP = 8
@@ -42,8 +43,9 @@ LABELS = ("bare", "correct", "wrong", "no_number")
 TITLES = {"es": "ES (low-rank, sigma 1e-2, 16 prompts)", "es-b8": "ES, 8 prompts per iteration", "grpo-best": "GRPO, best lr"}
 
 
-def train_command(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None) -> list[str]:
-    common = ["--model", model, *TASK, "--seed", str(seed), "--budget-completions", str(budget), "--save-every", "0",
+def train_command(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None,
+                  task: str = "times-table") -> list[str]:
+    common = ["--model", model, "--task", task, *LIMITS, "--seed", str(seed), "--budget-completions", str(budget), "--save-every", "0",
               "--logging", "none", "--no-progress", "--output-dir", str(runs), "--run-name", f"{name}-b{budget}-s{seed}"]
     if name in ES:
         flags = ES[name]
@@ -77,10 +79,11 @@ def sampled(run_dir: Path) -> dict:
     return {"pass@1": row["eval/heldout/pass@1"], "pass@8": row["eval/heldout/pass@8"]}
 
 
-def measure(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None) -> dict:
+def measure(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None,
+            task: str = "times-table") -> dict:
     label = f"grpo-lr{lr:g}" if lr is not None else name
     run_dir = runs / f"{label}-b{budget}-s{seed}"
-    record = run(train_command(label, model, seed, budget, runs, lr), run_dir)
+    record = run(train_command(label, model, seed, budget, runs, lr, task), run_dir)
     return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": sampled(run_dir)}
 
 
@@ -110,7 +113,7 @@ def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, task: str = "times-table") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,7 +133,7 @@ def plot(results: list[dict], path: Path) -> None:
     axis.set_ylabel("held-out accuracy, %")
     axis.grid(alpha=0.3)
     axis.legend(fontsize=8)
-    axis.set_title(f"SmolLM2-135M-Instruct, arithmetic: ES vs GRPO ({len({r['seed'] for r in results})} seeds)")
+    axis.set_title(f"SmolLM2-135M-Instruct, {task}: ES vs GRPO ({len({r['seed'] for r in results})} seeds)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
 
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="the prepared SmolLM2 folder (esft prepare-model prints it)")
     parser.add_argument("--budget", type=int, default=1024, help="training completions per run (--budget-completions)")
     parser.add_argument("--seeds", default="0,1")
+    parser.add_argument("--task", default="times-table", choices=("times-table", "arithmetic"))
     parser.add_argument("--lrs", default="1e-6,1e-5", help="GRPO learning rates swept on the first seed")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/real_model"))
     parser.add_argument("--out", type=Path, default=HERE / "real_model", help="<out>.json: every number")
@@ -150,17 +154,18 @@ def main() -> None:
     command_line = "OMP_NUM_THREADS=1 python benchmarks/real_model.py " + " ".join(sys.argv[1:])
     results = []
     for seed in seeds:  # ES first: the report after the first seed already compares
-        results += [measure(name, options.model, seed, options.budget, options.runs) for name in ES]
+        results += [measure(name, options.model, seed, options.budget, options.runs, task=options.task) for name in ES]
         if seed == seeds[0]:
-            sweep = [measure("grpo-sweep", options.model, seed, options.budget, options.runs, lr) for lr in lrs]
+            sweep = [measure("grpo-sweep", options.model, seed, options.budget, options.runs, lr, options.task)
+                     for lr in lrs]
             best_lr = max(sweep, key=lambda r: r["curve"][-1]["accuracy"])["lr"]
-        results.append(measure("grpo-best", options.model, seed, options.budget, options.runs, best_lr))
+        results.append(measure("grpo-best", options.model, seed, options.budget, options.runs, best_lr, options.task))
         text = f"Command: `{command_line}`\n\n" + table(results, sweep, options.budget, best_lr)
         options.out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": options.budget,
                                                                 "best_lr": best_lr, "results": results, "sweep": sweep}, indent=1))
         (options.runs / "real_model.md").write_text(text)
         options.plot.parent.mkdir(parents=True, exist_ok=True)
-        plot(results, options.plot)
+        plot(results, options.plot, options.task)
         print(text, flush=True)
 
 

@@ -1,5 +1,5 @@
 """--prompt-format: a built-in task asks its question as raw text or in the tokenizer's chat format (auto: chat
-where the tokenizer has a chat template), said in one line; and the arithmetic task sized for small pretrained
+where the tokenizer has a chat template), said in one line; and the arithmetic and times-table tasks sized for small pretrained
 models (a fixed held-out split, labels that tell format from correctness)."""
 
 from __future__ import annotations
@@ -70,6 +70,23 @@ def test_the_arithmetic_split_is_fixed_disjoint_and_seeded_only_in_its_training_
     assert not held & {(r["a"], r["b"]) for r in first.train_dataset}
     assert all(int(r["target"]) == r["a"] * r["b"] for r in first.train_dataset)
     assert len(load_task("arithmetic", eval_size=50).eval_datasets["heldout"]) == 50
+
+
+def test_the_times_table_holds_out_whole_pairs_in_every_phrasing():
+    from esft.tasks.times_table import PHRASINGS
+
+    first, second = load_task("times-table", seed=0), load_task("times-table", seed=1)
+    held, train = first.eval_datasets["heldout"], first.train_dataset
+    assert (len(held), len(train)) == (200, 121 * 5 - 200) and held == second.eval_datasets["heldout"]
+    assert [r["prompt"] for r in train] != [r["prompt"] for r in second.train_dataset]
+    held_pairs = {(r["a"], r["b"]) for r in held}
+    assert len(held_pairs) == 40 and not held_pairs & {(r["a"], r["b"]) for r in train}
+    assert all(int(r["target"]) == r["a"] * r["b"] and 2 <= min(r["a"], r["b"]) for r in held + train)
+    fifty = load_task("times-table", eval_size=50).eval_datasets["heldout"]
+    assert len(fifty) == 50 and all(any(q.format(a=r["a"], b=r["b"]) == r["question"] for r in fifty) for q in PHRASINGS)
+    task = load_task("times-table")
+    format_prompts(task, "chat", tokenizer(True))
+    assert task.eval_datasets["heldout"][0]["prompt"] == [{"role": "user", "content": held[0]["question"]}]
 
 
 @pytest.mark.parametrize("completion, label, value", [

@@ -278,3 +278,33 @@ def test_a_run_killed_while_its_model_loads_can_be_resumed(tiny_model_dir, tmp_p
     resumed = esft("train", "--resume", str(tmp_path / "killed"), "--no-progress", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (tmp_path / "killed" / "final" / "model.safetensors").is_file()
+
+
+def _make_key(cache: str, start: float, out) -> None:
+    import time
+
+    os.environ["ESFT_CACHE"] = cache
+    from esft.runs import signature
+
+    draw = signature.secrets.token_bytes
+    signature.secrets.token_bytes = lambda n: (time.sleep(0.3), draw(n))[1]  # a slow first write, as on a busy disk
+    time.sleep(max(0.0, start - time.time()))  # every process at once
+    out.put(signature._key(create=True))
+
+
+def test_esft_processes_starting_at_once_share_one_whole_key(tmp_path):
+    """Eight esft processes making the run key at the same moment: each gets the same 32 bytes (the key is
+    linked into place whole), none an empty file created and not yet written (it would sign nothing)."""
+    import multiprocessing
+    import time
+
+    context = multiprocessing.get_context("fork")
+    out, start = context.Queue(), time.time() + 0.5
+    processes = [context.Process(target=_make_key, args=(str(tmp_path), start, out)) for _ in range(8)]
+    for process in processes:
+        process.start()
+    keys = [out.get(timeout=60) for _ in processes]
+    for process in processes:
+        process.join(timeout=60)
+    assert len(set(keys)) == 1 and len(keys[0]) == 32, keys
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["run-key"]

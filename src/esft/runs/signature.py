@@ -37,15 +37,22 @@ def _key(create: bool) -> bytes | None:
     except FileNotFoundError:
         if not create:
             return None
+        # Written whole under a private name, then linked into place: another esft process starting at the
+        # same moment either makes the key first (link fails: theirs is used) or reads the whole of ours,
+        # never an empty file created but not yet written.
+        staging = path.with_name(f".{KEY_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             with os.fdopen(fd, "wb") as handle:
                 handle.write(secrets.token_bytes(32))
+            os.link(staging, path)
         except FileExistsError:  # another esft process made it first
             pass
         except OSError:  # a read-only home: runs are unsigned, resumes ask for the opt-in
             return None
+        finally:
+            staging.unlink(missing_ok=True)
         return _key(create=False)
     except OSError:
         return None

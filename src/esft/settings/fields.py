@@ -147,7 +147,7 @@ class RunFields:
     # ---- data
     task: str = _in(
         "data",
-        "Task: countdown, arithmetic, conciseness, math, or your own as module:function or path/to/file.py:function "
+        "Task: countdown, arithmetic, times-table, conciseness, math, or your own as module:function or path/to/file.py:function "
         "(a function returning an esft Task). --reward-funcs implies a custom task.",
         default="countdown",
     )
@@ -167,7 +167,7 @@ class RunFields:
     difficulty: str = _in("data", "Countdown generator setting: easy, medium or paper.", default="easy")
     prompt_format: str = _in(
         "data",
-        "How a built-in task (countdown, arithmetic, conciseness) asks its question: raw (its plain text: Countdown's "
+        "How a built-in task (countdown, arithmetic, times-table, conciseness) asks its question: raw (its plain text: Countdown's "
         "is the paper's prompt), chat (the question in a user turn of the tokenizer's chat template; Countdown's reply "
         "continued from 'Let me solve this step by step.\n<think>'), or auto: chat when the tokenizer has a chat "
         "template, else raw (said in one line). Your own data keeps its prompts.", default="auto")

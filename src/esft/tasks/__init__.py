@@ -10,12 +10,14 @@ from esft.tasks.base import Task, TaskError
 from esft.tasks.conciseness import make_conciseness_task
 from esft.tasks.countdown_task import make_countdown_task
 from esft.tasks.math_task import make_math_task
+from esft.tasks.times_table import make_times_table_task
 
 TASKS: dict[str, Callable[..., Task]] = {
     "countdown": make_countdown_task,
     "conciseness": make_conciseness_task,
     "math": make_math_task,
     "arithmetic": make_arithmetic_task,
+    "times-table": make_times_table_task,
 }
 
 

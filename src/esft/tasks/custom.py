@@ -268,7 +268,7 @@ def task_label(task: str) -> str:
 
 def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
     """The task an ESConfig names: --reward-funcs data, a --task module:function factory, or a
-    registered task (countdown, arithmetic, conciseness, math)."""
+    registered task (countdown, arithmetic, times-table, conciseness, math)."""
     if args.reward_funcs or args.reward_model or args.reward_url:
         return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights, args.reward_model,
                               args.reward_url, args.reward_model_device, getattr(args, "reward_url_deadline", None),
