@@ -39,6 +39,9 @@ def test_the_vote_takes_the_majority_answer_and_breaks_ties_by_rank():
 
 
 def test_tasks_extract_the_answer_members_vote_on():
+    from esft.tasks import TASKS
+
+    assert all(TASKS[name](train_size=2, eval_size=2).answer for name in ("countdown", "arithmetic", "times-table"))
     assert countdown_answer("x</think>\n<answer> (1 + 2) * 3 </answer>") == "(1+2)*3"
     assert countdown_answer("no answer") is None
     assert arithmetic_answer("It is 1,410.") == "1410" and arithmetic_answer("none") is None
