@@ -43,6 +43,8 @@ FORBIDDEN = {
     "esft.loop": ("esft.cli", "esft.trainer", "esft.grpo"),  # the trainer's helpers: below it
     "esft.trainer": ("esft.cli", "esft.grpo"),
     "esft.grpo": ("esft.cli",),
+    "esft.randopt": ("esft.cli", "esft.grpo"),  # --algorithm randopt: a trainer beside trainer.py, as grpo
+    "esft.randopt.selection": ("esft.",),  # which members are kept, their vote, their weights: pure math
     "esft.sigma_scan": ("esft.cli", "esft.grpo"),  # σ measured with a trainer's engine and rewards: beside the trainer  # TRL's GRPO behind ESTrainer's interface: a trainer, beside trainer.py
     "esft.grpo.trl_trainer": ("esft.cli", "esft.trainer", "esft.grpo.baseline", "esft.tasks", "esft.rewards",
                               "esft.loop"),

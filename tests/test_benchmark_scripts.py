@@ -260,3 +260,18 @@ def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir,
         assert sum(curve[-1]["labels"].values()) == 200  # every held-out answer labelled
         assert 0.0 <= record["sampled"]["pass@1"] <= record["sampled"]["pass@4"] <= 1.0
     assert "| GRPO, best lr |" in proc.stdout and plot.stat().st_size > 10_000
+
+
+@pytest.mark.slow
+def test_randopt_benchmark_reads_every_k_from_one_population(tmp_path):
+    """benchmarks/randopt.py with a tiny budget and no baselines: K = 1, 5, 10 and the consolidation from one
+    scored population, written as JSON and a markdown table."""
+    out = tmp_path / "randopt"
+    proc = _run("randopt.py", "--budget", "20", "--population", "10", "--seeds", "0", "--eval-size", "4",
+                "--skip-baselines", "--runs", str(tmp_path / "runs"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.with_suffix(".json").read_text())
+    (seed,) = result["randopt"]
+    assert {"randopt-K1", "randopt-K5", "randopt-K10", "randopt-corp", "corp_accepted"} <= set(seed)
+    assert seed["completions"] == 10 * 2 + 2 * 2  # members x validation rows, and the gate's two scorings
+    assert "RandOpt, vote of K = 10" in out.with_suffix(".md").read_text()

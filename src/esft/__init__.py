@@ -2,7 +2,7 @@
 
 from esft.settings.config import ESConfig
 
-__all__ = ["ESConfig", "ESTrainer", "GRPOBaseline"]
+__all__ = ["ESConfig", "ESTrainer", "GRPOBaseline", "RandOptTrainer"]
 __version__ = "0.1.0"
 
 
@@ -16,4 +16,8 @@ def __getattr__(name: str):
         from esft.grpo.baseline import GRPOBaseline
 
         return GRPOBaseline
+    if name == "RandOptTrainer":  # --algorithm randopt: N perturbations scored once, the best K voting
+        from esft.randopt.trainer import RandOptTrainer
+
+        return RandOptTrainer
     raise AttributeError(name)

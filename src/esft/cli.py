@@ -248,6 +248,8 @@ def resolve_config(command: str, given: dict[str, Any]):
         shown = ", ".join(f"{k}={str(v)[:200]}" for k, v in inherited.items() if k not in overridden and v is not None)
         print(f"esft: evaluating with the settings of the run that wrote {path} (flags override): {shown}", file=sys.stderr)
     settings |= from_yaml | given
+    if command == "eval" and inherited.get("algorithm") == "randopt" and model and Path(model).expanduser().is_dir():
+        settings["model"] = inherited["model"]  # a RandOpt run directory: its base model, perturbed by its members
     if inherited:  # a directory's settings import no code, read no data, reach no service by themselves (esft.runs.inherited)
         signed = point.signed if point is not None else signed
         check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where, signed)
@@ -314,12 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     scan_options = {k: given.pop(k) for k in SCAN_OPTIONS if k in given}  # sigma-scan's own flags
     from esft.engines.base import NonFiniteWeights
     from esft.rewards.runner import RewardError
+    from esft.runs.randopt_record import RecordError, record_path
     from esft.tasks.base import TaskError
 
     run = trainer = None
     try:
         if args.command == "serve-reward":
             return _serve_reward(given)
+        ensemble = record_path(given["model"]) if args.command == "eval" and given.get("model") else None
         config, preset, point = resolve_config(args.command, given)
         if args.command == "sigma-scan":
             return run_scan(config, scan_options)
@@ -335,9 +339,15 @@ def main(argv: list[str] | None = None) -> int:
                 from esft.grpo.baseline import GRPOBaseline
 
                 trainer = GRPOBaseline(args=config, run=run)
+            elif config.algorithm == "randopt":  # esft eval RUN_DIR: that run's kept members vote
+                from esft.randopt.trainer import RandOptTrainer
+
+                trainer = RandOptTrainer(args=config, run=run)
+                if ensemble is not None:
+                    trainer.load_record(ensemble)
             else:
                 trainer = ESTrainer(args=config, run=run)
-        except (TaskError, ConfigError, ImportError, FileNotFoundError) as error:
+        except (TaskError, ConfigError, ImportError, FileNotFoundError, RecordError) as error:
             if run is not None:
                 run.discard_if_unused()
             if preset and getattr(error, "name", None) in preset:  # the user never typed that flag

@@ -201,7 +201,7 @@ class ESTrainer:
         status = "interrupted"  # Ctrl-C (KeyboardInterrupt) leaves it so
         try:
             self._result = self._train()
-            status = "stopped: budget" if self.state.iteration < args.iterations else "complete"
+            status = self._status()
             if self._result.get("es/weights_moved") == 0.0:
                 status += f": the weights never moved ({self._watch.count} of {self._watch.iterations} iterations tied)"
             return self._result
@@ -217,6 +217,10 @@ class ESTrainer:
                 self._logger.close()
             self._release_run()
             self.report_path = report_after_training(self.run_dir)
+
+    def _status(self) -> str:
+        """What esft report says of a run that ended without an error."""
+        return "stopped: budget" if self.state.iteration < self.args.iterations else "complete"
 
     def _train(self) -> dict[str, float]:
         args = self.args

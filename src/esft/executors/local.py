@@ -39,7 +39,7 @@ def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool
     transformers engine when it passes and for `--engine vllm` with `--noise lowrank` or LoRA-ES
     (members as LoRA adapters), else off with the reason said in one line; False is off."""
     wanted = args.population_batching
-    if wanted is False or args.algorithm != "es" or args.iterations == 0:  # no ES members to evaluate
+    if wanted is False or args.algorithm not in ("es", "randopt") or args.iterations == 0:  # no ES members to evaluate
         return False
     adapters = args.engine == "vllm" and (args.noise == "lowrank" or args.uses_lora())
     if wanted == "auto" and args.engine != "transformers" and not adapters:

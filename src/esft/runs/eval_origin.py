@@ -12,12 +12,16 @@ from pathlib import Path
 from typing import Any
 
 from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
+from esft.runs.randopt_record import RECORD_FILE
 from esft.runs.signature import signed_by_user
 
 EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
                  "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
                  "dtype", "reward_sandbox", "reward_timeout", "reward_memory_mb", "reward_workers", "failure_reward")
 """What `esft eval` takes from the settings of the run that wrote the evaluated weights."""
+RANDOPT_INHERITS = ("model", "algorithm", "sigma", "noise", "rank", "trainable", "antithetic", "population_size",
+                    "validation_size", "randopt_top_k", "prompt_format")
+"""What `esft eval --model RUN_DIR` of a RandOpt run also takes: the base model and its members' settings."""
 SHOWN = ("task", "train_data", "eval_data", "reward_funcs", "reward_model", "reward_url", "eval_size", "max_tokens",
          "temperature", "eval_samples", "seed")
 """The settings of an evaluation's one line (esft eval prints it every time)."""
@@ -32,11 +36,12 @@ def _config_of(path: Path) -> tuple[dict[str, Any], bool] | None:
         except CheckpointError:
             return None
         return state["config"], signed_by_user(state["config"], state.get("settings_signature"))
-    if path.name == "final-merged" and path.is_dir():  # LoRA-ES: the run's final/ holds the state
-        found = _config_of(path.parent / "final")
+    ensemble = path.is_dir() and (path / RECORD_FILE).is_file()  # a RandOpt run: its kept members vote
+    if ensemble or (path.name == "final-merged" and path.is_dir()):  # LoRA-ES: the run's final/ holds the state
+        found = None if ensemble else _config_of(path.parent / "final")
         if found is not None:
             return found
-        config_file = path.parent / "config.yaml"
+        config_file = (path if ensemble else path.parent) / "config.yaml"
         if config_file.is_file():
             from esft.files import SETTINGS_LIMIT, read_regular_text
             from esft.runs.directory import ResumeError, read_run_yaml
@@ -63,6 +68,8 @@ def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple
         config, signed = found
         inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
         inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
+        if (path / RECORD_FILE).is_file():  # the base model, and what regenerates and selects its members
+            inherited |= {name: config[name] for name in RANDOPT_INHERITS if name in config}
         return inherited, path, signed
     return None
 

@@ -26,9 +26,10 @@ class Metric:
         return re.fullmatch(pattern, key) is not None
 
 
-TRAINING = "every training row, ES and GRPO"
+TRAINING = "every training row, ES, GRPO and RandOpt (a row per chunk of scored members)"
 ES_ROWS = "every ES training row"
 GRPO_ROWS = "every GRPO training row (--algorithm grpo)"
+RANDOPT_LAST = "the last row of an --algorithm randopt run"
 EVALUATION = "rows with an evaluation: iteration 0, every --eval-every iterations, and the last"
 
 METRICS: tuple[Metric, ...] = (
@@ -91,6 +92,16 @@ METRICS: tuple[Metric, ...] = (
     Metric("grpo/kl", "TRL's KL to the reference model (logged by TRL when --beta > 0).", "the step's tokens",
            GRPO_ROWS + " with --beta > 0"),
     Metric("grpo/entropy", "Mean token entropy of the rollouts.", "the step's tokens", GRPO_ROWS),
+    # ---- --algorithm randopt: a row per scored chunk of members (the ES keys above), then its selection
+    Metric("randopt/kept", "K, the members kept (the best validation rewards) that vote on held-out answers.", "-",
+           RANDOPT_LAST),
+    Metric("randopt/best_validation", "Validation reward of the best member.", "the validation rows", RANDOPT_LAST),
+    Metric("randopt/base_validation", "Validation reward of the base model (the consolidation's gate).",
+           "the validation rows", RANDOPT_LAST + " with --randopt-consolidate"),
+    Metric("randopt/consolidated_validation", "Validation reward of the consolidated model (the K kept "
+           "perturbations folded into one).", "the validation rows", RANDOPT_LAST + " with --randopt-consolidate"),
+    Metric("randopt/consolidated", "1 if final/ is the consolidated model (it beat the base on the validation rows), "
+           "0 if it is the best single member.", "-", RANDOPT_LAST),
     # ---- evaluation, per eval split
     Metric("eval/<split>/reward", "Mean combined, weighted reward on the split (failed values count as "
            "--failure-reward).", "the split's samples (rows × --eval-samples)", EVALUATION),

@@ -23,6 +23,7 @@ STATUS_FILE = "status.json"
 ES_ONLY_SETTINGS = ("population_size", "sigma", "alpha", "noise", "rank", "population_batching", "reward_shaping",
                     "failed_samples", "antithetic", "sigma_schedule", "alpha_schedule")
 """Settings GRPO runs ignore; GRPO's own are the 'GRPO (TRL)' section of ESConfig (grpo_settings)."""
+
 # Bookkeeping settings: they never make two runs' curves differ, so they are not "settings that differ".
 IGNORED_SETTINGS = ("run_name", "output_dir", "resume", "progress", "logging")
 BUDGET_KINDS = ("completions", "tokens", "seconds")
@@ -147,8 +148,14 @@ def grpo_settings() -> tuple[str, ...]:
 
 def applies(key: str, run: Run) -> bool:
     """Whether setting `key` means anything for `run`'s algorithm."""
-    if key in ES_ONLY_SETTINGS:
-        return run.algorithm == "es"
+    from esft.settings.randopt import RANDOPT_OWN, RANDOPT_UNUSED
+
+    if key in RANDOPT_OWN:
+        return run.algorithm == "randopt"
+    if run.algorithm == "randopt" and key in (*RANDOPT_UNUSED, "iterations"):  # no update, no iterations
+        return False
+    if key in ES_ONLY_SETTINGS:  # RandOpt's members are ES's
+        return run.algorithm in ("es", "randopt")
     return run.algorithm == "grpo" or key not in grpo_settings()
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 from esft.models.gguf import converted_folder, is_gguf
 from esft.settings.fields import GROUPS, _in
-from esft.settings.variants import VariantFields, check_variants
+from esft.settings.randopt import RandOptFields, check_randopt
+from esft.settings.variants import check_variants
 from esft.settings.trl_names import not_an_esconfig, unknown_setting
 from esft.settings.rules import (
     CHOICES,
@@ -63,7 +64,7 @@ def model_path(args: ESConfig, model: str | None = None) -> str:
 
 
 @dataclass
-class ESConfig(VariantFields):
+class ESConfig(RandOptFields):
     """Settings of an ES fine-tuning run. Defaults: the paper's ES hyperparameters (N=30, σ=1e-3,
     α=σ/2, i.i.d. full-rank noise) on the embedded tiny model and easy Countdown, sized to finish in
     minutes on a CPU. The `esft train` demo adds DEMO_PRESET as defaults (esft.cli.demo_preset_for)."""
@@ -114,6 +115,7 @@ class ESConfig(VariantFields):
         """Raise ConfigError naming the first invalid field and how to fix it (esft.settings.rules)."""
         check(self)
         check_variants(self)
+        check_randopt(self)
 
     def uses_lora(self) -> bool:
         """LoRA-ES (esft.engines.lora): --lora-r or --lora-adapter given, or --model is a PEFT adapter directory."""

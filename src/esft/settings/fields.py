@@ -9,7 +9,7 @@ from typing import Any
 from esft.settings.rules import EMBEDDED_MODEL
 
 GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging and checkpoints", "scale-out",
-          "algorithm and budget", "GRPO (TRL)")
+          "algorithm and budget", "RandOpt", "GRPO (TRL)")  # RandOpt's fields: esft.settings.randopt
 """The sections of ESConfig (and of `esft train --help`), in order."""
 
 
@@ -306,10 +306,9 @@ class RunFields:
     )
 
     # ---- algorithm and budget (README "GRPO baseline")
-    algorithm: str = _in(
-        "algorithm and budget",
-        "es (Evolution Strategies: this package's loop) or grpo (TRL's GRPOTrainer on the same model, task, "
-        "reward sandbox, evaluation, run directory and metrics; pip install 'esft[grpo]'; settings: 'GRPO (TRL)').",
+    algorithm: str = _in("algorithm and budget", "es (Evolution Strategies: this package's loop), grpo (TRL's GRPOTrainer on the same model, task, reward "
+        "sandbox, evaluation, run directory and metrics; pip install 'esft[grpo]'; settings: 'GRPO (TRL)') or "
+        "randopt (N perturbations scored once on a validation split, the best K voting; settings: 'RandOpt').",
         default="es",
     )
     budget_completions: int | None = _in(

@@ -25,7 +25,7 @@ CHOICES = {
     "engine": ("transformers", "vllm"),
     "executor": ("local", "ray"),
     "vllm_cpu_gemm": ("repack", "plain"),
-    "algorithm": ("es", "grpo"),
+    "algorithm": ("es", "grpo", "randopt"),
     "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),  # TRL 1.16's
     "scale_rewards": ("group", "batch", "none"),
 }

@@ -38,6 +38,12 @@ def chat_form(row: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": QUESTION.format(a=row["a"], b=row["b"])}]
 
 
+def final_answer(model_output: str) -> str | None:
+    """The last number of the completion (what the reward grades and RandOpt's members vote on), or None."""
+    numbers = _NUMBER.findall(model_output.replace(",", ""))
+    return numbers[-1] if numbers else None
+
+
 @trusted_reward
 def arithmetic_reward(model_output: str, target: str, fast: bool = False) -> tuple[str, float]:
     """1.0 when the last number of the completion is the product, else 0.0; labelled bare, correct, wrong
@@ -66,5 +72,6 @@ def make_arithmetic_task(*, train_data=None, eval_data=None, seed: int = 0, trai
         reward_funcs=[arithmetic_reward],
         accuracy_func=arithmetic_reward,
         chat_form=chat_form,
+        answer=final_answer,
         metadata={"train_where": "arithmetic training problems", "eval_where": "arithmetic held-out problems"},
     )

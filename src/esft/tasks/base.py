@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +33,9 @@ class Task:
     "Q: {question}\nA:" (used for rows without a `prompt` column)."""
     report_kl: bool = False
     """Evaluation also reports KL(fine-tuned || base) per generated token (`eval/<split>/kl`)."""
+    answer: Callable[[str], Hashable | None] | None = None
+    """The final answer a completion gives (None: it gives none), for --algorithm randopt's majority vote
+    of its kept members; a task without it is evaluated on its best member alone."""
     chat_form: Callable[[dict[str, Any]], list[dict[str, str]]] | None = None
     """A built-in task's row as chat messages (--prompt-format chat): the question in a user turn, and a
     final assistant message where the reply starts with fixed words (it is continued, not restarted)."""

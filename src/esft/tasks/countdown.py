@@ -136,6 +136,13 @@ def format_score(completion: str) -> float:
     return score
 
 
+def final_answer(completion: str) -> str | None:
+    """The last `<answer>` expression with its spaces removed (what RandOpt's members vote on), or None."""
+    answers = _ANSWER_CONTENT.findall(completion)
+    expression = "".join(answers[-1].split()) if answers else ""
+    return expression or None
+
+
 def answer_score(completion: str, numbers: Sequence[int], target: float | int | str) -> float:
     """1.0 if the last `<answer>` uses each given number exactly once and equals the target."""
     answers = _ANSWER_CONTENT.findall(completion)

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from esft.tasks.base import Task, TaskError
-from esft.tasks.countdown import chat_prompt, countdown_accuracy, countdown_reward
+from esft.tasks.countdown import chat_prompt, countdown_accuracy, countdown_reward, final_answer
 from esft.tasks.countdown_data import (
     Difficulty,
     generate_problems,
@@ -71,6 +71,7 @@ def make_countdown_task(
         reward_funcs=[countdown_reward],
         accuracy_func=countdown_accuracy,
         chat_form=chat_prompt,
+        answer=final_answer,
         metadata={
             "difficulty": difficulty if isinstance(difficulty, str) else repr(level),
             "seed": seed,

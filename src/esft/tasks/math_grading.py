@@ -66,6 +66,12 @@ def normalize(answer: Any) -> str:
     return repr(number)
 
 
+def final_answer(completion: str) -> str | None:
+    r"""The last `\boxed{}` answer, normalized (what --algorithm randopt's members vote on), or None."""
+    boxed = last_boxed(completion)
+    return normalize(boxed) if boxed is not None else None
+
+
 def gold_answers(answer: Any) -> list[str]:
     """Gold answers as strings: a float 5.0 → "5"; a list (minerva, olympiad_bench) → each item."""
     items = answer if isinstance(answer, (list, tuple)) else [answer]

@@ -22,7 +22,7 @@ from typing import Any
 
 from esft.rewards.sandbox import WorkerPool
 from esft.tasks.base import Task, TaskError, trusted_reward
-from esft.tasks.math_grading import gold_answers
+from esft.tasks.math_grading import final_answer, gold_answers
 from esft.rewards.usercode import ByReference
 
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -106,5 +106,6 @@ def make_math_task(*, train_data=None, eval_data=None, **_: Any) -> Task:
         eval_datasets=evals,
         reward_funcs=[math_reward],
         accuracy_func=math_reward,
+        answer=final_answer,
         metadata={"train_where": str(train_data), "eval_where": str(eval_data)},
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from esft.tasks.arithmetic import arithmetic_reward
+from esft.tasks.arithmetic import arithmetic_reward, final_answer
 from esft.tasks.base import Task, TaskError
 
 FACTORS = range(2, 13)
@@ -68,5 +68,6 @@ def make_times_table_task(*, train_data=None, eval_data=None, seed: int = 0, tra
         reward_funcs=[arithmetic_reward],
         accuracy_func=arithmetic_reward,
         chat_form=chat_form,
+        answer=final_answer,  # the number the reward grades: what RandOpt's members vote on
         metadata={"train_where": "times-table training problems", "eval_where": "times-table held-out problems"},
     )

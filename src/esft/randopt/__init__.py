@@ -1,0 +1,1 @@
+"""--algorithm randopt: RandOpt (Neural Thickets) and its consolidation, beside ES and GRPO."""
