@@ -102,9 +102,9 @@ def sampled_eval(model: str, seed: int, runs: Path, name: str) -> dict:
     return {key.split("/")[-1]: value for key, value in row.items() if key.startswith("eval/heldout/pass@")}
 
 
-def geometry(final: Path, base: Path, prompts: list[str], seed: int) -> dict:
+def geometry(final: Path, base: Path, prompts: list[str], seed: int, max_new_tokens: int = 64) -> dict:
     """Relative L2 distance of all weights from the base, and the mean per-token k3 KL(run || base) on
-    completions the run samples at temperature 1 (one per prompt)."""
+    completions the run samples at temperature 1 (one per prompt, up to `max_new_tokens`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -121,13 +121,13 @@ def geometry(final: Path, base: Path, prompts: list[str], seed: int) -> dict:
     for text in prompts:
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=64,
+            out = model.generate(ids, do_sample=True, temperature=1.0, top_k=0, max_new_tokens=max_new_tokens,
                                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
         prompt_ids.append(ids[0].tolist())
         completion_ids.append(out[0, ids.shape[1]:].tolist())
     pad = tokenizer.pad_token_id or 0
-    kl = [k3(a, b) for a, b in zip(completion_logprobs(model, prompt_ids, completion_ids, 8, pad),
-                                    completion_logprobs(reference, prompt_ids, completion_ids, 8, pad))]
+    kl = [k3(a, b) for a, b in zip(completion_logprobs(model, prompt_ids, completion_ids, None, pad),
+                                    completion_logprobs(reference, prompt_ids, completion_ids, None, pad))]
     tokens = sum(len(values) for values in kl)
     return {"weight_distance": squared ** 0.5, "relative_weight_distance": (squared / norm) ** 0.5,
             "kl_per_token": sum(float(values.sum()) for values in kl) / max(tokens, 1)}
@@ -135,7 +135,8 @@ def geometry(final: Path, base: Path, prompts: list[str], seed: int) -> dict:
 
 def heldout_prompts(run_dir: Path, count: int = 200) -> list[str]:
     folder = sorted((run_dir / "eval").glob("iteration-*"), key=lambda p: int(p.name.split("-")[1]))[0]
-    return [json.loads(line)["prompt"] for line in (folder / "heldout.jsonl").read_text().splitlines()[:count]]
+    rows = [json.loads(line) for line in (folder / "heldout.jsonl").read_text().splitlines()[:count]]
+    return [row.get("prompt_text", row["prompt"]) for row in rows]  # prompt_text: a chat prompt as the model saw it
 
 
 def score(results: list[dict], method: str) -> float:

@@ -6,7 +6,9 @@ Every configuration is an ordinary `esft train` command run as a subprocess with
 --budget-completions (default 1,024: 8 ES iterations of 8 members x 16 prompts; 128 GRPO steps of 8 completions)
 and evaluated greedily before training, at half the budget and at the end (each evaluation of 200 problems costs
 about as much as 1.5 ES iterations: more points would double the benchmark's time on 2 cores); then the final model
-is evaluated once more with 4 samples per problem at temperature 1 (pass@1, pass@4):
+is evaluated once more with 4 samples per problem at temperature 1 (pass@1, pass@4), and its per-token KL to the
+base model (k3, on one completion sampled at temperature 1 for each of --kl-prompts held-out problems, as
+benchmarks/es_variants.py measures it; KL is scored in memory-sized chunks, esft.engines.logprobs):
 
 - es          the paper's update rule (z-scored rewards, plain step, alpha = sigma/2) with the noise and sigma
               measured to move this model: --noise lowrank --rank 1 --sigma 1e-2 (at the paper's sigma 1e-3
@@ -33,6 +35,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from es_variants import geometry, heldout_prompts  # noqa: E402  (KL and weight distance, as measured there)
 from es_vs_grpo import mean_std, pm, run  # noqa: E402  (the same subprocess runner and statistics)
 
 PLOT = HERE.parent / "docs" / "images" / "real_model.png"
@@ -80,20 +83,30 @@ def sampled(run_dir: Path) -> dict:
     return {"pass@1": row["eval/heldout/pass@1"], "pass@4": row["eval/heldout/pass@4"]}
 
 
+def kl(run_dir: Path, model: str, seed: int, prompts: int) -> dict:
+    """Per-token KL(final || base) and relative weight distance (es_variants.geometry), kept in the run."""
+    path = run_dir / "geometry.json"
+    if not path.exists():
+        found = geometry(run_dir / "final", Path(model), heldout_prompts(run_dir, prompts), seed, max_new_tokens=16)
+        path.write_text(json.dumps(found))
+    return json.loads(path.read_text())
+
+
 def measure(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None,
-            task: str = "times-table") -> dict:
+            task: str = "times-table", kl_prompts: int = 200) -> dict:
     label = f"grpo-lr{lr:g}" if lr is not None else name
     run_dir = runs / f"{label}-b{budget}-s{seed}"
     record = run(train_command(label, model, seed, budget, runs, lr, task), run_dir)
-    return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": sampled(run_dir)}
+    return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": sampled(run_dir),
+            "geometry": kl(run_dir, model, seed, kl_prompts)}
 
 
 def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -> str:
     seeds = sorted({r["seed"] for r in results})
     lines = [f"Held-out accuracy (%, 200 problems, greedy, 16 tokens), mean ± std over seeds {seeds}, at {budget:,} "
              f"training completions; grpo-best = lr {best_lr:g}. Labels: share of the 200 answers at the end (before).", "",
-             "| method | before | after | gain | bare | correct | wrong | no number | pass@1 | pass@4 | "
-             "training s | peak RSS MB |", "| --- " * 12 + "|"]
+             "| method | before | after | gain | bare | correct | wrong | no number | pass@1 | pass@4 | KL per token | "
+             "training s | peak RSS MB |", "| --- " * 13 + "|"]
     for method, title in TITLES.items():
         runs = [r for r in results if r["method"] == method]
         if not runs:
@@ -105,6 +118,7 @@ def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -
                      f"{pm([b['accuracy'] - a['accuracy'] for a, b in zip(first, last)], 100)} | "
                      + " | ".join(share[label] for label in LABELS)
                      + f" | {pm([r['sampled']['pass@1'] for r in runs], 100)} | {pm([r['sampled']['pass@4'] for r in runs], 100)}"
+                     f" | {mean_std([r['geometry']['kl_per_token'] for r in runs])[0]:.2e}"
                      f" | {pm([p['seconds'] for p in last], digits=0)}"
                      f" | {pm([r['peak_rss_mb'] for r in runs], digits=0)} |")
     lines += ["", "GRPO learning-rate sweep (seed 0): " + ", ".join(
@@ -146,6 +160,7 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1")
     parser.add_argument("--task", default="times-table", choices=("times-table", "arithmetic"))
     parser.add_argument("--lrs", default="1e-6,1e-5", help="GRPO learning rates swept on the first seed")
+    parser.add_argument("--kl-prompts", type=int, default=200, help="held-out problems the final KL is measured on")
     parser.add_argument("--runs", type=Path, default=Path("/tmp/real_model"))
     parser.add_argument("--out", type=Path, default=HERE / "real_model", help="<out>.json: every number")
     parser.add_argument("--plot", type=Path, default=PLOT)
@@ -155,12 +170,12 @@ def main() -> None:
     command_line = "OMP_NUM_THREADS=1 python benchmarks/real_model.py " + " ".join(sys.argv[1:])
     results = []
     for seed in seeds:  # ES first: the report after the first seed already compares
-        results += [measure(name, options.model, seed, options.budget, options.runs, task=options.task) for name in ES]
+        common = {"task": options.task, "kl_prompts": options.kl_prompts}
+        results += [measure(name, options.model, seed, options.budget, options.runs, **common) for name in ES]
         if seed == seeds[0]:
-            sweep = [measure("grpo-sweep", options.model, seed, options.budget, options.runs, lr, options.task)
-                     for lr in lrs]
+            sweep = [measure("grpo-sweep", options.model, seed, options.budget, options.runs, lr, **common) for lr in lrs]
             best_lr = max(sweep, key=lambda r: r["curve"][-1]["accuracy"])["lr"]
-        results.append(measure("grpo-best", options.model, seed, options.budget, options.runs, best_lr, options.task))
+        results.append(measure("grpo-best", options.model, seed, options.budget, options.runs, best_lr, **common))
         text = f"Command: `{command_line}`\n\n" + table(results, sweep, options.budget, best_lr)
         options.out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": options.budget,
                                                                 "best_lr": best_lr, "results": results, "sweep": sweep}, indent=1))

@@ -246,11 +246,11 @@ def test_vs_reference_refuses_a_raw_json_path_it_could_not_write_before_measurin
 @pytest.mark.slow
 def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir, tmp_path):
     """benchmarks/real_model.py as a user runs it, on the tiny model with a tiny budget: every method trains to
-    the same completion budget, is evaluated before and after with labels and sampled pass@k, and the table,
-    the JSON and the plot are written."""
+    the same completion budget, is evaluated before and after with labels, sampled pass@k and KL to the base,
+    and the table, the JSON and the plot are written."""
     out, plot = tmp_path / "real_model", tmp_path / "real_model.png"
     proc = _run("real_model.py", "--model", str(tiny_model_dir), "--budget", "16", "--seeds", "0", "--lrs", "1e-5",
-                "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(plot))
+                "--kl-prompts", "4", "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
     assert [r["method"] for r in result["results"]] == ["es", "es-b8", "grpo-best"] and result["best_lr"] == 1e-5
@@ -259,7 +259,8 @@ def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir,
         assert curve[0]["completions"] == 0 and curve[-1]["completions"] >= 16
         assert sum(curve[-1]["labels"].values()) == 200  # every held-out answer labelled
         assert 0.0 <= record["sampled"]["pass@1"] <= record["sampled"]["pass@4"] <= 1.0
-    assert "| GRPO, best lr |" in proc.stdout and plot.stat().st_size > 10_000
+        assert record["geometry"]["kl_per_token"] >= 0 and record["geometry"]["relative_weight_distance"] >= 0
+    assert "| GRPO, best lr |" in proc.stdout and "KL per token" in proc.stdout and plot.stat().st_size > 10_000
 
 
 @pytest.mark.slow

@@ -154,6 +154,60 @@ def test_kl_matches_a_direct_computation_and_is_zero_against_itself(tiny_model_d
     assert k3(torch.tensor([-1.0]), torch.tensor([-1.0])).item() == 0.0
 
 
+def test_kl_in_memory_sized_chunks_equals_one_pass(tiny_model_dir, lively_model_dir, monkeypatch):
+    """Rows per forward pass come from free memory (esft.engines.sizing.logprob_rows): with almost none
+    free every pass scores one row, and the values equal those of one pass over all rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esft.engines import sizing
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    finetuned = AutoModelForCausalLM.from_pretrained(lively_model_dir).eval()
+    prompts = ["What is 2 + 2?", "Hi", "A longer prompt, padded in a batch", "Four", "Five rows"]
+    completions = [[70, 71, 1], [80], [90, 91, 92, 93, 94], [60, 61], [50]]
+    rows_per_pass: list[int] = []
+    finetuned.register_forward_pre_hook(lambda _, args, kwargs: rows_per_pass.append(kwargs["input_ids"].shape[0]),
+                                         with_kwargs=True)
+    whole = KLScorer(finetuned, tokenizer, str(tiny_model_dir), batch_size=len(prompts))(prompts, completions)
+    assert rows_per_pass == [5]
+    longest = max(len(tokenizer(p, add_special_tokens=False)["input_ids"]) + len(c) for p, c in zip(prompts, completions))
+    monkeypatch.setattr(sizing, "free_memory", lambda model: 1)
+    assert sizing.logprob_rows(finetuned, longest) == 1
+    rows_per_pass.clear()
+    one_by_one = KLScorer(finetuned, tokenizer, str(tiny_model_dir))(prompts, completions)
+    assert rows_per_pass == [1] * 5
+    # room for two rows' logits, float32 copy, log-softmax and activations in the CPU share: passes of 2, 2, 1
+    per_row = longest * finetuned.config.vocab_size * 12 + sizing.bytes_per_row(finetuned, longest)
+    monkeypatch.setattr(sizing, "free_memory", lambda model: int(2.5 * per_row / sizing.CPU_MEMORY_SHARE))
+    rows_per_pass.clear()
+    pairs = KLScorer(finetuned, tokenizer, str(tiny_model_dir))(prompts, completions)
+    assert rows_per_pass == [2, 2, 1]
+    for chunked in (one_by_one, pairs):
+        assert [len(v) for v in chunked] == [3, 1, 5, 2, 1]
+        for got, expected in zip(chunked, whole):
+            assert got == pytest.approx(expected, rel=1e-5, abs=1e-8)
+    assert min(min(v) for v in whole) > 0
+
+
+def test_sampled_generation_sizes_calls_for_every_sample(tiny_model_dir, monkeypatch):
+    """--mini-batch-size auto counts the n samples each prompt brings: 8 rows per call with n = 4 is 2 prompts."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from esft.engines import sizing
+    from esft.engines.base import Sampling
+    from esft.engines.transformers_engine import TransformersEngine
+
+    engine = TransformersEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir),
+                                max_tokens=3, mini_batch_size="auto")
+    monkeypatch.setattr(sizing, "auto_rows", lambda model, length: 8)
+    rows_per_call: list[int] = []
+    generate = engine.model.generate
+    monkeypatch.setattr(engine.model, "generate", lambda **kw: rows_per_call.append(kw["input_ids"].shape[0]) or generate(**kw))
+    generation = engine.generate(["a", "b", "c", "d", "e"], sampling=Sampling(temperature=1.0, n=4, seed=1))
+    assert len(generation.texts) == 20
+    assert rows_per_call == [2, 2, 1]  # prompts per call (model.generate repeats each n times inside)
+
+
 def test_conciseness_end_to_end_with_kl(lively_model_dir, tmp_path, capsys):
     common = ["--model", str(lively_model_dir), "--task", "conciseness", *TINY, "--sigma", "0.05",
               "--temperature", "1", "--eval-samples", "2", "--output-dir", str(tmp_path)]

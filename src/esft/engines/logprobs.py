@@ -17,9 +17,17 @@ import torch
 
 @torch.no_grad()
 def completion_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_ids: Sequence[Sequence[int]],
-                        batch_size: int = 4, pad_id: int = 0) -> list[torch.Tensor]:
-    """log p(completion token | prompt, previous tokens) for every completion token (float32, CPU)."""
+                        batch_size: int | None = None, pad_id: int = 0) -> list[torch.Tensor]:
+    """log p(completion token | prompt, previous tokens) for every completion token (float32, CPU), in
+    forward passes of `batch_size` rows (None: as many as fit in memory, esft.engines.sizing.logprob_rows):
+    only one pass's full-vocabulary logits exist at a time (a sampled evaluation of 200 prompts × 8
+    samples would need ~19 GB for SmolLM2's at once)."""
     device = next(model.parameters()).device
+    if batch_size is None:
+        from esft.engines.sizing import logprob_rows
+
+        longest = max((len(p) + len(c) for p, c in zip(prompt_ids, completion_ids)), default=1)
+        batch_size = logprob_rows(model, longest)
     result: list[torch.Tensor] = []
     for start in range(0, len(prompt_ids), batch_size):
         prompts, completions = prompt_ids[start : start + batch_size], completion_ids[start : start + batch_size]
@@ -38,6 +46,7 @@ def completion_logprobs(model, prompt_ids: Sequence[Sequence[int]], completion_i
             scores = torch.log_softmax(logits[row, p - 1 : p + c - 1].float(), dim=-1)
             targets = torch.tensor(list(completion), dtype=torch.long, device=scores.device)
             result.append(scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1).cpu())
+        del logits, scores  # freed before the next pass, which would otherwise run beside them
     return result
 
 
@@ -48,9 +57,10 @@ def k3(logp_ft: torch.Tensor, logp_base: torch.Tensor) -> torch.Tensor:
 
 
 class KLScorer:
-    """Per-token KL(fine-tuned || base) of completions; the fine-tuned model is used as it is now."""
+    """Per-token KL(fine-tuned || base) of completions; the fine-tuned model is used as it is now.
+    `batch_size`: rows per forward pass (None: sized from free memory, completion_logprobs)."""
 
-    def __init__(self, model, tokenizer, base: Any, batch_size: int = 4):
+    def __init__(self, model, tokenizer, base: Any, batch_size: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.base_source = base

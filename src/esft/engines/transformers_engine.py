@@ -314,7 +314,9 @@ class TransformersEngine:
         are copy c): population batching's layout."""
         encoded = self._encode(prompts)
         prompt_length = encoded["input_ids"].shape[1]
-        size = self.prompts_per_call(len(prompts), copies, mini_batch_size, prompt_length)
+        # a sampled call returns num_return_sequences rows per prompt copy: auto sizes for all of them
+        rows_per_prompt = copies * (getattr(config, "num_return_sequences", None) or 1)
+        size = self.prompts_per_call(len(prompts), rows_per_prompt, mini_batch_size, prompt_length)
         for start in range(0, len(prompts), size):
             ids = encoded["input_ids"][start : start + size]
             mask = encoded["attention_mask"][start : start + size]
