@@ -15,6 +15,8 @@ benchmarks/es_variants.py measures it; KL is scored in memory-sized chunks, esft
               every member's greedy completions are identical and nothing is learned)
 - es-b8       the same with 8 prompts per iteration: the variant that led on the embedded model (more updates
               per completion; docs/benchmarks.md, ES variants)
+- randopt     `esft train --algorithm randopt` (issue 53) at ES's noise and sigma: 16 members scored once on
+              budget/16 validation rows, held-out answers by the vote of the best 5; final/ alone also evaluated
 - grpo-lr<LR> `esft train --algorithm grpo` with TRL's defaults but --learning-rate LR, swept on the first seed;
               grpo-best, the best, is run on every seed
 
@@ -43,8 +45,12 @@ LIMITS = ["--max-tokens", "16", "--eval-size", "200"]
 ES = {"es": ["--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "8", "--batch-size", "16"],
       "es-b8": ["--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "8", "--batch-size", "8"]}
 GRPO_COMPLETIONS_PER_STEP = 8
+RANDOPT = ["--algorithm", "randopt", "--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "16",
+           "--randopt-top-k", "5"]
+"""RandOpt at ES's noise and sigma: 16 members, each scored on budget/16 validation rows, the best 5 vote."""
 LABELS = ("bare", "correct", "wrong", "no_number")
-TITLES = {"es": "ES (low-rank, sigma 1e-2, 16 prompts)", "es-b8": "ES, 8 prompts per iteration", "grpo-best": "GRPO, best lr"}
+TITLES = {"es": "ES (low-rank, sigma 1e-2, 16 prompts)", "es-b8": "ES, 8 prompts per iteration", "grpo-best": "GRPO, best lr",
+          "randopt": "RandOpt, vote of the best 5 of 16"}
 
 
 def train_command(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None,
@@ -56,6 +62,8 @@ def train_command(name: str, model: str, seed: int, budget: int, runs: Path, lr:
         per_iteration = int(flags[flags.index("--population-size") + 1]) * int(flags[flags.index("--batch-size") + 1])
         iterations = -(-budget // per_iteration)
         return ["esft", "train", *flags, "--iterations", str(iterations), "--eval-every", str(max(1, iterations // 2)), *common]
+    if name == "randopt":
+        return ["esft", "train", *RANDOPT, "--validation-size", str(max(1, budget // 16)), *common]
     steps = -(-budget // GRPO_COMPLETIONS_PER_STEP)
     return ["esft", "train", "--algorithm", "grpo", "--learning-rate", f"{lr:g}", "--no-gradient-checkpointing",
             "--iterations", str(steps), "--eval-every", str(max(1, steps // 2)), *common]
@@ -83,6 +91,16 @@ def sampled(run_dir: Path) -> dict:
     return {"pass@1": row["eval/heldout/pass@1"], "pass@4": row["eval/heldout/pass@4"]}
 
 
+def final_alone(run_dir: Path) -> float:
+    """Greedy held-out accuracy of a RandOpt run's final/ by itself (the consolidated model when its validation
+    gate accepted it, else the best member), beside the vote its run reports."""
+    out = run_dir / "final-alone"
+    out.mkdir(exist_ok=True)
+    run(["esft", "eval", "--model", str(run_dir / "final"), "--logging", "none", "--no-progress", "--output-dir", str(out),
+         "--run-name", "eval"], out)
+    return json.loads((out / "eval" / "metrics.jsonl").read_text().splitlines()[0])["eval/heldout/accuracy"]
+
+
 def kl(run_dir: Path, model: str, seed: int, prompts: int) -> dict:
     """Per-token KL(final || base) and relative weight distance (es_variants.geometry), kept in the run."""
     path = run_dir / "geometry.json"
@@ -97,8 +115,12 @@ def measure(name: str, model: str, seed: int, budget: int, runs: Path, lr: float
     label = f"grpo-lr{lr:g}" if lr is not None else name
     run_dir = runs / f"{label}-b{budget}-s{seed}"
     record = run(train_command(label, model, seed, budget, runs, lr, task), run_dir)
+    extra = {}
+    if name == "randopt":
+        randopt = json.loads((run_dir / "randopt.json").read_text())
+        extra = {"final_alone": final_alone(run_dir), "consolidated": bool((randopt.get("consolidation") or {}).get("accepted"))}
     return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": sampled(run_dir),
-            "geometry": kl(run_dir, model, seed, kl_prompts)}
+            "geometry": kl(run_dir, model, seed, kl_prompts), **extra}
 
 
 def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -> str:
@@ -121,6 +143,11 @@ def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -
                      f" | {mean_std([r['geometry']['kl_per_token'] for r in runs])[0]:.2e}"
                      f" | {pm([p['seconds'] for p in last], digits=0)}"
                      f" | {pm([r['peak_rss_mb'] for r in runs], digits=0)} |")
+    if randopt := [r for r in results if r["method"] == "randopt"]:
+        lines += ["", f"RandOpt's final/ alone (greedy): {pm([r['final_alone'] for r in randopt], 100)}% "
+                  f"(the consolidation passed its validation gate on {sum(r['consolidated'] for r in randopt)} of "
+                  f"{len(randopt)} seeds; else final/ is the best member); its pass@k, KL and training seconds are "
+                  f"final/'s and include the gate's {2 * max(1, budget // 16)} completions."]
     lines += ["", "GRPO learning-rate sweep (seed 0): " + ", ".join(
         f"lr {r['lr']:g} → {100 * r['curve'][-1]['accuracy']:.1f}%" for r in sweep)]
     loads = [load for r in results + sweep for load in (r["load_before"][0], r["load_after"][0])]
@@ -176,6 +203,7 @@ def main() -> None:
             sweep = [measure("grpo-sweep", options.model, seed, options.budget, options.runs, lr, **common) for lr in lrs]
             best_lr = max(sweep, key=lambda r: r["curve"][-1]["accuracy"])["lr"]
         results.append(measure("grpo-best", options.model, seed, options.budget, options.runs, best_lr, **common))
+        results.append(measure("randopt", options.model, seed, options.budget, options.runs, **common))
         text = f"Command: `{command_line}`\n\n" + table(results, sweep, options.budget, best_lr)
         options.out.with_suffix(".json").write_text(json.dumps({"command": command_line, "budget": options.budget,
                                                                 "best_lr": best_lr, "results": results, "sweep": sweep}, indent=1))

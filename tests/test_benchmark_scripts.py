@@ -253,7 +253,9 @@ def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir,
                 "--kl-prompts", "4", "--runs", str(tmp_path / "runs"), "--out", str(out), "--plot", str(plot))
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.with_suffix(".json").read_text())
-    assert [r["method"] for r in result["results"]] == ["es", "es-b8", "grpo-best"] and result["best_lr"] == 1e-5
+    assert [r["method"] for r in result["results"]] == ["es", "es-b8", "grpo-best", "randopt"] and result["best_lr"] == 1e-5
+    (randopt,) = [r for r in result["results"] if r["method"] == "randopt"]
+    assert 0.0 <= randopt["final_alone"] <= 1.0 and isinstance(randopt["consolidated"], bool)
     for record in result["results"]:
         curve = record["curve"]
         assert curve[0]["completions"] == 0 and curve[-1]["completions"] >= 16

@@ -54,6 +54,28 @@ def test_countdown_asks_in_the_form_chosen_and_says_which(choice, template, form
         assert all(row["prompt"].startswith("<|im_start|>system") for row in task.eval_datasets["heldout"])
 
 
+@pytest.mark.parametrize("choice", ["raw", "chat"])
+def test_countdown_scores_a_right_answer_in_either_form(choice):
+    """Scored as training scores it (the reward runner, which hands chat prompts' completions over in TRL's chat
+    form): a right answer in the right format earns the full 1.1 and accuracy 1 in both forms (chat form
+    completions once reached the reward as lists, every sample failed, and Countdown scored 0%)."""
+    from esft.rewards.runner import RewardRunner
+
+    task = load_task("countdown", train_size=2, eval_size=2)
+    format_prompts(task, choice, tokenizer(True))
+    render_rows(task, tokenizer(True))
+    row = dict(task.train_dataset[0])
+    row["target"] = sum(row["numbers"])  # so that adding every number is the right answer
+    expression = " + ".join(str(n) for n in row["numbers"])
+    completion = f"I add them all.</think>\n<answer>{expression}</answer>"
+    runner = RewardRunner(task.reward_funcs, sandbox=False)
+    try:
+        assert runner.score([row], [completion]).total == [pytest.approx(1.1)]
+        assert RewardRunner([task.accuracy_func], sandbox=False).score([row], [completion]).total == [1.0]
+    finally:
+        runner.close()
+
+
 def test_your_own_data_keeps_its_prompts_under_every_format():
     own = Task("mine", [{"prompt": "Q: 1+1\nA:"}], {"dev": [{"prompt": "Q: 2+2\nA:"}]}, reward_funcs=[])
     for choice in ("auto", "raw", "chat"):

@@ -8,7 +8,13 @@ from typing import Any
 
 from esft.rewards.runner import PROMPT_SOURCE, PROVIDED_ARGUMENTS, TRUSTED_ATTRIBUTE, RewardFunc, trusted_reward
 
-__all__ = ["PROMPT_SOURCE", "PROVIDED_ARGUMENTS", "TRUSTED_ATTRIBUTE", "RewardFunc", "Task", "TaskError", "trusted_reward"]
+__all__ = ["PROMPT_SOURCE", "PROVIDED_ARGUMENTS", "TRUSTED_ATTRIBUTE", "RewardFunc", "Task", "TaskError", "completion_text",
+           "trusted_reward"]
+
+
+def completion_text(completion: Any) -> str:
+    """A completion as text: under chat prompts TRL's convention passes [{"role": "assistant", "content": ...}]."""
+    return completion[-1]["content"] if isinstance(completion, list) else completion
 
 
 class TaskError(ValueError):

@@ -13,7 +13,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from esft.tasks.base import Task, TaskError, trusted_reward
+from esft.tasks.base import Task, TaskError, completion_text, trusted_reward
 
 TRAIN_PAIRS = [
     ("Which planet is known as the Red Planet?", "Mars"),
@@ -41,15 +41,10 @@ def question_in_a_user_turn(row: dict[str, Any]) -> list[dict[str, str]]:
     return [{"role": "user", "content": row["prompt"]}]
 
 
-def _text(completion: Any) -> str:
-    """A completion as text (chat completions are [{"role": "assistant", "content": ...}])."""
-    return completion[-1]["content"] if isinstance(completion, list) else completion
-
-
 @trusted_reward
 def conciseness_reward(prompts: Sequence, completions: Sequence, answer: Sequence[str], **kwargs) -> list[float]:
     """-|len(completion.strip()) - len(answer)| in characters (the paper's reward; 0 is best)."""
-    return [float(-abs(len(_text(c).strip()) - len(str(a)))) for c, a in zip(completions, answer, strict=True)]
+    return [float(-abs(len(completion_text(c).strip()) - len(str(a)))) for c, a in zip(completions, answer, strict=True)]
 
 
 def _rows_from(source: str | os.PathLike) -> dict[str, list[dict[str, Any]]]:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from fractions import Fraction
 from numbers import Integral
 
-from esft.tasks.base import trusted_reward
+from esft.tasks.base import completion_text, trusted_reward
 
 SYSTEM = ("You are a helpful assistant. You first think about the reasoning process in your mind and then "
           "provide the user with the answer.")
@@ -166,24 +166,26 @@ def answer_score(completion: str, numbers: Sequence[int], target: float | int | 
 
 @trusted_reward  # our own code, safe on any model output: runs in-process, no sandbox overhead
 def countdown_reward(
-    prompts: Sequence, completions: Sequence[str], *, numbers: Sequence, target: Sequence, **kwargs
+    prompts: Sequence, completions: Sequence, *, numbers: Sequence, target: Sequence, **kwargs
 ) -> list[float]:
     """The paper's reward, one float per completion: 0.1 * format + answer (at most 1.1).
 
-    TRL reward signature; `numbers` and `target` are the dataset columns of the same rows.
+    TRL reward signature; `numbers` and `target` are the dataset columns of the same rows; completions are
+    text, or TRL's chat form under --prompt-format chat.
     """
+    texts = [completion_text(completion) for completion in completions]
     return [
-        0.1 * format_score(completion) + answer_score(completion, nums, goal)
-        for completion, nums, goal in zip(completions, numbers, target, strict=True)
+        0.1 * format_score(text) + answer_score(text, nums, goal)
+        for text, nums, goal in zip(texts, numbers, target, strict=True)
     ]
 
 
 @trusted_reward
 def countdown_accuracy(
-    prompts: Sequence, completions: Sequence[str], *, numbers: Sequence, target: Sequence, **kwargs
+    prompts: Sequence, completions: Sequence, *, numbers: Sequence, target: Sequence, **kwargs
 ) -> list[float]:
     """1.0 where the answer is correct, else 0.0 (format ignored): the task's accuracy."""
     return [
-        answer_score(completion, nums, goal)
+        answer_score(completion_text(completion), nums, goal)
         for completion, nums, goal in zip(completions, numbers, target, strict=True)
     ]
