@@ -60,18 +60,27 @@ def make_arithmetic_task(*, train_data=None, eval_data=None, seed: int = 0, trai
                          eval_size: int = 500, **_: Any) -> Task:
     """The generated problems: up to `train_size` training rows in an order drawn from `seed`, and the
     first `eval_size` (at most 200) held-out rows."""
-    if train_data is not None or eval_data is not None:
-        raise TaskError("--task arithmetic generates its own problems; for your own data use --reward-funcs "
-                        "with --train-data/--eval-data")
     train, heldout = all_problems()
+    return product_task("arithmetic", train, heldout, chat_form, given_data=(train_data, eval_data), seed=seed,
+                        train_size=train_size, eval_size=eval_size)
+
+
+def product_task(name: str, train: list[dict[str, Any]], heldout: list[dict[str, Any]],
+                 chat_form: Any, *, given_data: tuple, seed: int, train_size: int, eval_size: int) -> Task:
+    """A task of generated products graded by arithmetic_reward (arithmetic, times-table): up to `train_size`
+    training rows in an order drawn from `seed`, the first `eval_size` held-out rows."""
+    if any(data is not None for data in given_data):
+        raise TaskError(f"--task {name} generates its own problems; for your own data use --reward-funcs "
+                        "with --train-data/--eval-data")
+    train = list(train)
     random.Random(seed).shuffle(train)
     return Task(
-        name="arithmetic",
+        name=name,
         train_dataset=train[:train_size],
         eval_datasets={"heldout": heldout[:eval_size]} if eval_size else {},
         reward_funcs=[arithmetic_reward],
         accuracy_func=arithmetic_reward,
         chat_form=chat_form,
-        answer=final_answer,
-        metadata={"train_where": "arithmetic training problems", "eval_where": "arithmetic held-out problems"},
+        answer=final_answer,  # the number the reward grades: what RandOpt's members vote on
+        metadata={"train_where": f"{name} training problems", "eval_where": f"{name} held-out problems"},
     )

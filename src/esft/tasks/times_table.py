@@ -17,8 +17,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from esft.tasks.arithmetic import arithmetic_reward, final_answer
-from esft.tasks.base import Task, TaskError
+from esft.tasks.arithmetic import product_task
+from esft.tasks.base import Task
 
 FACTORS = range(2, 13)
 PHRASINGS = (
@@ -55,19 +55,7 @@ def make_times_table_task(*, train_data=None, eval_data=None, seed: int = 0, tra
                           eval_size: int = 500, **_: Any) -> Task:
     """The generated problems: up to `train_size` training rows in an order drawn from `seed`, and `eval_size`
     (at most 200) held-out rows, drawn evenly over the phrasings (the held-out rows are in a fixed shuffled order)."""
-    if train_data is not None or eval_data is not None:
-        raise TaskError("--task times-table generates its own problems; for your own data use --reward-funcs "
-                        "with --train-data/--eval-data")
     train, heldout = all_problems()
-    random.Random(seed).shuffle(train)
     random.Random(SPLIT_SEED).shuffle(heldout)  # so a smaller --eval-size still spans every phrasing and many pairs
-    return Task(
-        name="times-table",
-        train_dataset=train[:train_size],
-        eval_datasets={"heldout": heldout[:eval_size]} if eval_size else {},
-        reward_funcs=[arithmetic_reward],
-        accuracy_func=arithmetic_reward,
-        chat_form=chat_form,
-        answer=final_answer,  # the number the reward grades: what RandOpt's members vote on
-        metadata={"train_where": "times-table training problems", "eval_where": "times-table held-out problems"},
-    )
+    return product_task("times-table", train, heldout, chat_form, given_data=(train_data, eval_data), seed=seed,
+                        train_size=train_size, eval_size=eval_size)
