@@ -16,7 +16,9 @@ benchmarks/es_variants.py measures it; KL is scored in memory-sized chunks, esft
 - es-b8       the same with 8 prompts per iteration: the variant that led on the embedded model (more updates
               per completion; docs/benchmarks.md, ES variants)
 - randopt     `esft train --algorithm randopt` (issue 53) at ES's noise and sigma: 16 members scored once on
-              budget/16 validation rows, held-out answers by the vote of the best 5; final/ alone also evaluated
+              budget/16 validation rows, held-out answers by the vote of the best 5; from the same members
+              the best 1 and the vote of 10 (`esft eval --model RUN --randopt-top-k K`), final/ alone, and pass@k
+              of the vote (sample j of a problem: the vote of the members' samples j) and of final/
 - grpo-lr<LR> `esft train --algorithm grpo` with TRL's defaults but --learning-rate LR, swept on the first seed;
               grpo-best, the best, is run on every seed
 
@@ -45,9 +47,11 @@ LIMITS = ["--max-tokens", "16", "--eval-size", "200"]
 ES = {"es": ["--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "8", "--batch-size", "16"],
       "es-b8": ["--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "8", "--batch-size", "8"]}
 GRPO_COMPLETIONS_PER_STEP = 8
+RANDOPT_K, RANDOPT_KS = 5, (1, 5, 10)
 RANDOPT = ["--algorithm", "randopt", "--noise", "lowrank", "--rank", "1", "--sigma", "1e-2", "--population-size", "16",
-           "--randopt-top-k", "5"]
-"""RandOpt at ES's noise and sigma: 16 members, each scored on budget/16 validation rows, the best 5 vote."""
+           "--randopt-top-k", str(RANDOPT_K)]
+"""RandOpt at ES's noise and sigma: 16 members, each scored on budget/16 validation rows, the best 5 vote (and
+the best 1 and 10 of the same members, evaluated after)."""
 LABELS = ("bare", "correct", "wrong", "no_number")
 TITLES = {"es": "ES (low-rank, sigma 1e-2, 16 prompts)", "es-b8": "ES, 8 prompts per iteration", "grpo-best": "GRPO, best lr",
           "randopt": "RandOpt, vote of the best 5 of 16"}
@@ -80,25 +84,34 @@ def curve(run_dir: Path) -> list[dict]:
     return points
 
 
-def sampled(run_dir: Path) -> dict:
-    """pass@1 and pass@4 of the final model: 4 samples per held-out problem at temperature 1."""
-    out = run_dir / "sampled"
-    argv = ["esft", "eval", "--model", str(run_dir / "final"), "--eval-samples", "4", "--temperature", "1.0",
-            "--logging", "none", "--no-progress", "--output-dir", str(out), "--run-name", "eval"]
+def evaluation(run_dir: Path, name: str, weights: Path, *flags: str) -> dict:
+    """The metrics row of `esft eval --model WEIGHTS FLAGS`, kept in RUN/<name> (reused when there)."""
+    out = run_dir / name
     out.mkdir(exist_ok=True)
-    run(argv, out)
-    row = json.loads((out / "eval" / "metrics.jsonl").read_text().splitlines()[0])
+    run(["esft", "eval", "--model", str(weights), *flags, "--logging", "none", "--no-progress", "--output-dir", str(out),
+         "--run-name", "eval"], out)
+    return json.loads((out / "eval" / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def sampled(run_dir: Path, weights: Path | None = None, name: str = "sampled") -> dict:
+    """pass@1 and pass@4 of the final model (or of a RandOpt run's vote, weights = the run directory: sample j
+    of a problem is the vote of the members' samples j): 4 samples per held-out problem at temperature 1."""
+    row = evaluation(run_dir, name, weights or run_dir / "final", "--eval-samples", "4", "--temperature", "1.0")
     return {"pass@1": row["eval/heldout/pass@1"], "pass@4": row["eval/heldout/pass@4"]}
 
 
 def final_alone(run_dir: Path) -> float:
     """Greedy held-out accuracy of a RandOpt run's final/ by itself (the consolidated model when its validation
     gate accepted it, else the best member), beside the vote its run reports."""
-    out = run_dir / "final-alone"
-    out.mkdir(exist_ok=True)
-    run(["esft", "eval", "--model", str(run_dir / "final"), "--logging", "none", "--no-progress", "--output-dir", str(out),
-         "--run-name", "eval"], out)
-    return json.loads((out / "eval" / "metrics.jsonl").read_text().splitlines()[0])["eval/heldout/accuracy"]
+    return evaluation(run_dir, "final-alone", run_dir / "final")["eval/heldout/accuracy"]
+
+
+def votes(run_dir: Path) -> dict[str, float]:
+    """Greedy held-out accuracy of the vote of the best K members, K = 1 (the best member alone), 5 (the run's
+    own), 10: from the one scored population (`esft eval --model RUN --randopt-top-k K` scores nothing again)."""
+    found = {str(k): evaluation(run_dir, f"vote-k{k}", run_dir, "--randopt-top-k", str(k))["eval/heldout/accuracy"]
+             for k in RANDOPT_KS if k != RANDOPT_K}
+    return {str(RANDOPT_K): curve(run_dir)[-1]["accuracy"]} | found  # string keys: as the JSON reads back
 
 
 def kl(run_dir: Path, model: str, seed: int, prompts: int) -> dict:
@@ -118,8 +131,11 @@ def measure(name: str, model: str, seed: int, budget: int, runs: Path, lr: float
     extra = {}
     if name == "randopt":
         randopt = json.loads((run_dir / "randopt.json").read_text())
-        extra = {"final_alone": final_alone(run_dir), "consolidated": bool((randopt.get("consolidation") or {}).get("accepted"))}
-    return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": sampled(run_dir),
+        extra = {"final_alone": final_alone(run_dir), "consolidated": bool((randopt.get("consolidation") or {}).get("accepted")),
+                 "votes": votes(run_dir), "final_sampled": sampled(run_dir)}
+    # RandOpt's answers are the vote's: its pass@k is the vote's too (final/'s is kept as final_sampled)
+    samples = sampled(run_dir, run_dir, "vote-sampled") if name == "randopt" else sampled(run_dir)
+    return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": samples,
             "geometry": kl(run_dir, model, seed, kl_prompts), **extra}
 
 
@@ -144,10 +160,15 @@ def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -
                      f" | {pm([p['seconds'] for p in last], digits=0)}"
                      f" | {pm([r['peak_rss_mb'] for r in runs], digits=0)} |")
     if randopt := [r for r in results if r["method"] == "randopt"]:
-        lines += ["", f"RandOpt's final/ alone (greedy): {pm([r['final_alone'] for r in randopt], 100)}% "
+        lines += ["", "RandOpt from the same 16 scored members (greedy held-out accuracy, %): "
+                  + ", ".join(f"{'best member alone' if k == 1 else f'vote of {k}'} {pm([r['votes'][str(k)] for r in randopt], 100)}"
+                              for k in RANDOPT_KS)
+                  + f"; final/ alone {pm([r['final_alone'] for r in randopt], 100)} "
                   f"(the consolidation passed its validation gate on {sum(r['consolidated'] for r in randopt)} of "
-                  f"{len(randopt)} seeds; else final/ is the best member); its pass@k, KL and training seconds are "
-                  f"final/'s and include the gate's {2 * max(1, budget // 16)} completions."]
+                  f"{len(randopt)} seeds; else final/ is the best member), its pass@1 / pass@4 "
+                  f"{pm([r['final_sampled']['pass@1'] for r in randopt], 100)} / {pm([r['final_sampled']['pass@4'] for r in randopt], 100)}. "
+                  "The table's pass@k is the vote's (sample j of a problem: the vote of the 5 members' samples j); "
+                  f"KL and training seconds are final/'s, and include the gate's {2 * max(1, budget // 16)} completions."]
     lines += ["", "GRPO learning-rate sweep (seed 0): " + ", ".join(
         f"lr {r['lr']:g} → {100 * r['curve'][-1]['accuracy']:.1f}%" for r in sweep)]
     loads = [load for r in results + sweep for load in (r["load_before"][0], r["load_after"][0])]

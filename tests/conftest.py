@@ -15,6 +15,19 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 from tiny_model import build_tiny_model, build_tiny_reward_model  # noqa: E402
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (the README's test command): one worker per core,
+    torch.set_num_threads(1)  # each with one torch thread; two threads per worker oversubscribe 2 cores
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under `pytest -n 2 --dist loadgroup`, tests that start Ray or a vLLM engine run on one worker, one after
+    another (as in a serial run): the session's shared vLLM engine is started once, Ray clusters and vLLM's
+    KV caches never run two at a time beside each other, and the other worker takes the rest."""
+    for item in items:
+        name = item.nodeid.lower()
+        if "vllm" in name or "_ray" in name or "ray_" in name:
+            item.add_marker(pytest.mark.xdist_group("ray-vllm"))
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:

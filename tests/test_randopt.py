@@ -85,6 +85,33 @@ def test_the_vote_answers_right_where_the_best_member_alone_is_wrong(tiny_model_
     trainer.close()
 
 
+def test_a_finished_run_votes_again_with_any_k_of_its_scored_members_greedy_or_sampled(tiny_model_dir, tmp_path,
+                                                                                     one_torch_thread):
+    run = tmp_path / "run"
+    run.mkdir()
+    members = [{"seed": 14, "reward": 0.1}, {"seed": 11, "reward": 0.9}, {"seed": 13, "reward": 0.7}, {"seed": 12, "reward": 0.8}]
+    (run / "randopt.json").write_text(json.dumps({"format": 1, "members": members, "kept": members[1:2]}))
+    greedy = {11: ["1", "2000", "4004"], 12: ["2000", "2002", ""], 13: ["2000", "2002", "9"], 14: ["0", "0", "0"]}
+    # two samples per prompt (prompt by prompt): the vote of sample j is taken over the members' sample j
+    sampled = {11: ["1", "2000", "2002", "5", "x", "y"], 12: ["1", "2000", "2002", "6", "z", "w"],
+               13: ["3", "7", "8", "2002", "2004", "q"], 14: ["0"] * 6}
+    found = {}
+    for k, samples in [(1, 1), (3, 1), (3, 2)]:
+        trainer = toy_trainer(tiny_model_dir, tmp_path, iterations=0, population_size=4, randopt_top_k=k,
+                              eval_samples=samples, temperature=1.0 if samples > 1 else 0.0)
+        trainer.load_record(run)  # the record keeps 1 member; --randopt-top-k takes the best k of the 4 scored
+        assert [m["seed"] for m in trainer.kept] == [11, 12, 13][:k]
+        trainer.task.answer = lambda text: text.strip() or None
+        written = greedy if samples == 1 else sampled
+        trainer._member_generations = lambda seeds, *_: [Generation(written[s], [1] * len(written[s])) for s in seeds]
+        found[k, samples] = trainer.evaluate(0)
+        trainer.close()
+    assert found[1, 1]["eval/heldout/accuracy"] == 0.0 and found[3, 1]["eval/heldout/accuracy"] == pytest.approx(2 / 3)
+    # votes: 1 (wrong), 2000 | 2002, 5 (a tie: the best member's) | x (a tie), y: pass@1 = 1/3, pass@2 = 2/3
+    assert found[3, 2]["eval/heldout/pass@1"] == pytest.approx(1 / 3)
+    assert found[3, 2]["eval/heldout/pass@2"] == pytest.approx(2 / 3)
+
+
 @pytest.mark.parametrize("merged_beats_base", [True, False])
 def test_consolidation_is_final_only_when_it_beats_the_base(tiny_model_dir, tmp_path, one_torch_thread,
                                                             merged_beats_base):
@@ -173,10 +200,10 @@ def test_esft_train_randopt_writes_seeds_scores_and_a_model_and_esft_eval_votes(
     keys = {key for row in read_jsonl(run / "metrics.jsonl") for key in row}
     assert {"budget/completions", "randopt/consolidated", "eval/heldout/accuracy"} <= keys
     assert sorted(key for key in keys if entry_for(key) is None) == []  # the metrics reference documents them
-    proc, _ = esft("eval", "--model", str(run), "--output-dir", str(tmp_path / "evals"), "--no-progress",
-                   "--logging", "none", cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    assert "2 members kept in" in proc.stderr and "heldout accuracy" in proc.stdout
+    proc, _ = esft("eval", "--model", str(run), "--randopt-top-k", "3", "--output-dir", str(tmp_path / "evals"),
+                   "--no-progress", "--logging", "none", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr  # the run kept 2; eval re-votes with the best 3 of the 4 scored
+    assert "the vote of the best 3 of 4 members" in proc.stderr and "heldout accuracy" in proc.stdout
 
     started = time.perf_counter()
     proc, _ = esft("train", "--algorithm", "randopt", *flags, "--randopt-top-k", "5", "--output-dir", str(tmp_path),

@@ -65,13 +65,18 @@ class RandOptTrainer(ESTrainer):
         return task
 
     def load_record(self, path: Any) -> None:
-        """Vote with the members kept in a RandOpt record (a run directory or its randopt.json), whose
-        settings must be these (RecordError otherwise)."""
+        """Vote with the best --randopt-top-k members of a RandOpt record (a run directory or its randopt.json),
+        whose settings must be these (RecordError otherwise)."""
         record = read_record(path)
         check_identity(record, self.args.to_dict(), str(path), MEMBERS)  # --max-tokens, data... may differ
-        self.record, self.kept = record, list(record.get("kept") or top_k(record["members"], self.args.randopt_top_k))
-        voters = f"the vote of the {len(self.kept)}" if self.task.answer is not None else "the best of the"
-        print(f"esft: evaluating {voters} members kept in {path}", file=sys.stderr)
+        # the best K of every scored member, K = --randopt-top-k (the run's unless given): K = 1, 5, 10 of one run
+        # are compared without scoring anything again (top_k is a function of the scores, so the run's own K
+        # selects the members its record keeps)
+        self.record, self.kept = record, top_k(record["members"], self.args.randopt_top_k)
+        scored = len(record["members"])
+        voters = (f"the vote of the best {len(self.kept)} of {scored} members" if self.task.answer is not None
+                  else f"the best of {scored} members (the task has no answer to vote on)")
+        print(f"esft: evaluating {voters} scored in {path} (--randopt-top-k {self.args.randopt_top_k})", file=sys.stderr)
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:

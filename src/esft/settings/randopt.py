@@ -25,7 +25,8 @@ class RandOptFields(VariantFields):
     randopt_top_k: int = _in(
         "RandOpt", "K: the members with the best validation reward that are kept; held-out answers are their "
         "majority vote (where the task extracts an answer: countdown, arithmetic, times-table, math), else the best member's. Must be "
-        "<= --population-size. Neural Thickets (arXiv 2603.12228) keep K = 5 to 10.", default=5)
+        "<= --population-size. Neural Thickets (arXiv 2603.12228) keep K = 5 to 10. `esft eval --model RUN_DIR "
+        "--randopt-top-k K` votes with the best K of that run's scored members (nothing is scored again).", default=5)
     validation_size: int = _in(
         "RandOpt", "Training rows drawn once (seeded by --seed) as the validation split that scores every member "
         "(greedy, one completion per row) and gates the consolidation: N members cost N x this many completions.",
