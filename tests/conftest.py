@@ -19,14 +19,25 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (the README's test co
     torch.set_num_threads(1)  # each with one torch thread; two threads per worker oversubscribe 2 cores
 
 
-def pytest_collection_modifyitems(config, items):
-    """Under `pytest -n 2 --dist loadgroup`, tests that start Ray or a vLLM engine run on one worker, one after
-    another (as in a serial run): the session's shared vLLM engine is started once, Ray clusters and vLLM's
-    KV caches never run two at a time beside each other, and the other worker takes the rest."""
-    for item in items:
-        name = item.nodeid.lower()
-        if "vllm" in name or "_ray" in name or "ray_" in name:
-            item.add_marker(pytest.mark.xdist_group("ray-vllm"))
+def _starts_ray_or_vllm(nodeid: str) -> bool:
+    """Whether a test starts Ray or a vLLM engine: its file or name says `ray` or `vllm`."""
+    name = nodeid.lower()
+    return "vllm" in name or "_ray" in name or "ray_" in name
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist (the test extra); without it, unused
+def pytest_xdist_make_scheduler(config, log):
+    """Under `pytest -n 2` (the README's test command), the tests that start Ray or a vLLM engine go to one
+    worker, one after another as in a serial run: the session's shared vLLM engine starts once, and no two Ray
+    clusters or vLLM KV caches share the machine; the other tests are shared out one by one. (A scheduler, not
+    `xdist_group` marks: with pytest 9.2, --dist loadgroup ignores them, pytest-dev/pytest-xdist#1386.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayAndVllmOnOneWorker(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "ray-and-vllm" if _starts_ray_or_vllm(nodeid) else nodeid
+
+    return RayAndVllmOnOneWorker(config, log)
 
 
 @pytest.fixture(scope="session")
