@@ -258,7 +258,7 @@ def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir,
     (randopt,) = [r for r in result["results"] if r["method"] == "randopt"]
     assert 0.0 <= randopt["final_alone"] <= 1.0 and isinstance(randopt["consolidated"], bool)
     assert set(randopt["votes"]) == {"1", "5", "10"} and randopt["votes"]["5"] == randopt["curve"][-1]["accuracy"]
-    assert 0.0 <= randopt["final_sampled"]["pass@1"] <= randopt["final_sampled"]["pass@4"] <= 1.0
+    assert 0.0 <= randopt["vote_sampled"]["pass@1"] <= randopt["vote_sampled"]["pass@4"] <= 1.0
     assert (tmp_path / "runs" / "randopt-b16-s0" / "vote-k10" / "eval" / "metrics.jsonl").is_file()
     for record in result["results"]:
         curve = record["curve"]
@@ -267,7 +267,7 @@ def test_real_model_benchmark_compares_es_and_grpo_at_one_budget(tiny_model_dir,
         assert 0.0 <= record["sampled"]["pass@1"] <= record["sampled"]["pass@4"] <= 1.0
         assert record["geometry"]["kl_per_token"] >= 0 and record["geometry"]["relative_weight_distance"] >= 0
     assert "| GRPO, best lr |" in proc.stdout and "KL per token" in proc.stdout and plot.stat().st_size > 10_000
-    assert "best member alone" in proc.stdout and "vote of 10" in proc.stdout
+    assert "best member alone" in proc.stdout and "vote of 10" in proc.stdout and "pass@1 / pass@4 of the vote" in proc.stdout
 
 
 @pytest.mark.slow
