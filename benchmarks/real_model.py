@@ -54,7 +54,7 @@ RANDOPT = ["--algorithm", "randopt", "--noise", "lowrank", "--rank", "1", "--sig
 the best 1 and 10 of the same members, evaluated after)."""
 LABELS = ("bare", "correct", "wrong", "no_number")
 TITLES = {"es": "ES (low-rank, sigma 1e-2, 16 prompts)", "es-b8": "ES, 8 prompts per iteration", "grpo-best": "GRPO, best lr",
-          "randopt": "RandOpt, vote of the best 5 of 16"}
+          "randopt": f"RandOpt, vote of the best {RANDOPT_K} of 16"}
 
 
 def train_command(name: str, model: str, seed: int, budget: int, runs: Path, lr: float | None = None,
@@ -106,12 +106,13 @@ def final_alone(run_dir: Path) -> float:
     return evaluation(run_dir, "final-alone", run_dir / "final")["eval/heldout/accuracy"]
 
 
-def votes(run_dir: Path) -> dict[str, float]:
-    """Greedy held-out accuracy of the vote of the best K members, K = 1 (the best member alone), 5 (the run's
-    own), 10: from the one scored population (`esft eval --model RUN --randopt-top-k K` scores nothing again)."""
+def votes(run_dir: Path, own_vote: float) -> dict[str, float]:
+    """Greedy held-out accuracy of the vote of the best K members, K = 1 (the best member alone), RANDOPT_K (the
+    run's own vote, `own_vote`: its last held-out accuracy), 10: from the one scored population (`esft eval --model
+    RUN --randopt-top-k K` scores nothing again)."""
     found = {str(k): evaluation(run_dir, f"vote-k{k}", run_dir, "--randopt-top-k", str(k))["eval/heldout/accuracy"]
              for k in RANDOPT_KS if k != RANDOPT_K}
-    return {str(RANDOPT_K): curve(run_dir)[-1]["accuracy"]} | found  # string keys: as the JSON reads back
+    return {str(RANDOPT_K): own_vote} | found  # string keys: as the JSON reads back
 
 
 def kl(run_dir: Path, model: str, seed: int, prompts: int) -> dict:
@@ -128,12 +129,12 @@ def measure(name: str, model: str, seed: int, budget: int, runs: Path, lr: float
     label = f"grpo-lr{lr:g}" if lr is not None else name
     run_dir = runs / f"{label}-b{budget}-s{seed}"
     record = run(train_command(label, model, seed, budget, runs, lr, task), run_dir)
-    extra = {}
+    points, extra = curve(run_dir), {}
     if name == "randopt":
         randopt = json.loads((run_dir / "randopt.json").read_text())
         extra = {"final_alone": final_alone(run_dir), "consolidated": bool((randopt.get("consolidation") or {}).get("accepted")),
-                 "votes": votes(run_dir), "vote_sampled": sampled(run_dir, run_dir, "vote-sampled") if vote_sampled else None}
-    return {"method": name, "seed": seed, "lr": lr, **record, "curve": curve(run_dir), "sampled": sampled(run_dir),
+                 "votes": votes(run_dir, points[-1]["accuracy"]), "vote_sampled": sampled(run_dir, run_dir, "vote-sampled") if vote_sampled else None}
+    return {"method": name, "seed": seed, "lr": lr, **record, "curve": points, "sampled": sampled(run_dir),
             "geometry": kl(run_dir, model, seed, kl_prompts), **extra}
 
 
@@ -166,7 +167,7 @@ def table(results: list[dict], sweep: list[dict], budget: int, best_lr: float) -
                   f"{len(randopt)} seeds; else final/ is the best member). The table's pass@k, KL and training seconds "
                   f"are final/'s, and include the gate's {2 * max(1, budget // 16)} completions."]
         if voted := [r for r in randopt if r.get("vote_sampled")]:
-            lines += [f"pass@1 / pass@4 of the vote of 5 (sample j of a problem: the vote of the members' samples j), "
+            lines += [f"pass@1 / pass@4 of the vote of {RANDOPT_K} (sample j of a problem: the vote of the members' samples j), "
                       f"seeds {[r['seed'] for r in voted]}: {pm([r['vote_sampled']['pass@1'] for r in voted], 100)} / "
                       f"{pm([r['vote_sampled']['pass@4'] for r in voted], 100)}; final/'s on the same seeds "
                       f"{pm([r['sampled']['pass@1'] for r in voted], 100)} / {pm([r['sampled']['pass@4'] for r in voted], 100)}."]

@@ -82,6 +82,13 @@ def test_a_gguf_model_that_cannot_load_is_one_line_and_exit_2(tiny_gguf, tmp_pat
     proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_gguf), *SMALL], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert_user_error(proc, "needs the gguf package", "pip install 'esft[gguf]'")
+    # nor without accelerate, which transformers needs for a gguf_file too (`pip install -e ".[gguf]"` without it
+    # ended in transformers' traceback after the download)
+    (shadow / "gguf.py").unlink()
+    (shadow / "accelerate.py").write_text("raise ImportError('No module named accelerate')\n")
+    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_gguf), *SMALL], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert_user_error(proc, "needs the accelerate package", "pip install 'esft[gguf]'")
 
 
 def fake_wheel(path: Path, member: str, gguf_file: Path) -> Path:

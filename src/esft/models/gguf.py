@@ -42,12 +42,17 @@ def gguf_problem(path: str | os.PathLike) -> str | None:
 
 
 def gguf_package_missing() -> str | None:
-    """What to install when the gguf package (transformers reads GGUF files with it) is missing, else None."""
-    try:
-        import gguf  # noqa: F401
-    except ImportError:
-        return "needs the gguf package: pip install 'esft[gguf]'"
-    return None
+    """What to install when a package transformers reads GGUF files with is missing, else None: gguf, and
+    accelerate (transformers' from_pretrained refuses a gguf_file without it)."""
+    missing = []
+    for package in ("gguf", "accelerate"):
+        try:
+            __import__(package)
+        except ImportError:
+            missing.append(package)
+    if not missing:
+        return None
+    return f"needs the {' and '.join(missing)} package{'s' if len(missing) > 1 else ''}: pip install 'esft[gguf]'"
 
 
 def sha256_of(path: Path) -> str:
