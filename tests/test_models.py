@@ -74,21 +74,19 @@ def test_a_gguf_model_that_cannot_load_is_one_line_and_exit_2(tiny_gguf, tmp_pat
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"not a gguf file at all")
     assert_user_error(esft("train", "--model", str(fake), *SMALL, cwd=tmp_path)[0], "is not a GGUF file")
-    # without the gguf package (shadowed by a module that fails to import): say which package to install
+    # without the gguf package, or without accelerate, which transformers needs for a gguf_file too (each shadowed
+    # by a module that fails to import; `pip install -e ".[gguf]"` without accelerate ended in transformers'
+    # traceback after the download): say which package to install
     shadow = tmp_path / "shadow"
     shadow.mkdir()
-    (shadow / "gguf.py").write_text("raise ImportError('No module named gguf')\n")
     env = {**subprocess_env(), "PYTHONPATH": str(shadow)}
-    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_gguf), *SMALL], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert_user_error(proc, "needs the gguf package", "pip install 'esft[gguf]'")
-    # nor without accelerate, which transformers needs for a gguf_file too (`pip install -e ".[gguf]"` without it
-    # ended in transformers' traceback after the download)
-    (shadow / "gguf.py").unlink()
-    (shadow / "accelerate.py").write_text("raise ImportError('No module named accelerate')\n")
-    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_gguf), *SMALL], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=120)
-    assert_user_error(proc, "needs the accelerate package", "pip install 'esft[gguf]'")
+    for package in ("gguf", "accelerate"):
+        for module in shadow.glob("*.py"):
+            module.unlink()
+        (shadow / f"{package}.py").write_text(f"raise ImportError('No module named {package}')\n")
+        proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_gguf), *SMALL],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert_user_error(proc, f"needs the {package} package", "pip install 'esft[gguf]'")
 
 
 def fake_wheel(path: Path, member: str, gguf_file: Path) -> Path:
