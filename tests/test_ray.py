@@ -293,6 +293,8 @@ def cell(name):  # the notebook cell that builds the trainer; its actor holds ev
                                    logging="none", progress=False))
 
 first = cell("first")
+import ray  # esft's local Ray runs its workers at normal priority (Ray's own default is niceness 15)
+print("NICENESS", ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote()), os.environ.get("RAY_worker_niceness"))
 started = time.monotonic()
 try:
     cell("again")  # the cell run again: Ray has no CPU left for a second actor
@@ -313,7 +315,8 @@ def test_a_notebook_cell_run_again_is_told_to_close_the_trainer_that_holds_ray_i
                                                                                                  tmp_path):
     """Ray waits for room silently and forever: a second trainer whose actors cannot be placed (an
     earlier cell's trainer holds the local cluster's CPUs/GPUs) used to hang. Now it is refused after a
-    short wait for room being given back, naming close(); close() gives the actors' room back."""
+    short wait for room being given back, naming close(); close() gives the actors' room back. The
+    local Ray esft starts runs its workers at niceness 0, not Ray's 15 (they would crawl beside other work)."""
     import subprocess
     import sys
 
@@ -329,6 +332,7 @@ def test_a_notebook_cell_run_again_is_told_to_close_the_trainer_that_holds_ray_i
                      r"\2 CPU: the rest is held by other actors of this process.*call close\(\) on that trainer", refused)
     assert int(re.search(r"after (\d+) s", refused).group(1)) <= 20  # the settling wait, not a hang
     assert "TRAINED True" in proc.stdout
+    assert "NICENESS 0 None" in proc.stdout  # the actors' priority, and the user's environment left as it was
     assert "CLOSED: this ESTrainer was closed (close() released its engine): build a new ESTrainer" in proc.stdout
 
 

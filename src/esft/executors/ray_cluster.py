@@ -14,6 +14,8 @@ import ray
 
 from esft.settings.config import ConfigError, ESConfig
 
+_NICENESS = "RAY_worker_niceness"
+"""Ray's setting for its workers' niceness (15 unless set), read when its processes start."""
 _local = {"started": False, "executors": 0}
 """The local cluster esft started in this process, and how many executors use it: it stops with the last."""
 
@@ -25,11 +27,25 @@ def open_cluster(args: ESConfig) -> None:
         if args.ray_address:
             join_cluster(args.ray_address)
         else:
-            ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,  # not Ray's own lines
-                     num_cpus=max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
+            start_local_cluster(max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
             _local["started"] = True
     if _local["started"]:
         _local["executors"] += 1
+
+
+def start_local_cluster(num_cpus: int) -> None:
+    """ray.init() of a local cluster whose workers run at normal priority. Ray starts workers at niceness
+    15 so they never starve its own processes; here the actors *are* the run, and at 15 they crawl beside
+    anything else the machine runs (an unprivileged process cannot undo it). The variable is set for
+    ray.init only; a value of the user's own is kept."""
+    before = os.environ.get(_NICENESS)
+    os.environ.setdefault(_NICENESS, "0")
+    try:
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,  # not Ray's own lines
+                 num_cpus=num_cpus)
+    finally:
+        if before is None:
+            os.environ.pop(_NICENESS, None)
 
 
 def close_cluster() -> None:
