@@ -77,6 +77,8 @@ def test_train_exits_0_and_reports_the_run(trained_run):
     assert f"run directory: {run_dir}" in proc.stdout
     assert "heldout accuracy before: 0.0%" in proc.stderr  # a random model solves nothing
     assert "heldout accuracy after: 0.0%" in proc.stderr
+    assert "esft: population batching: 2 of 2 members per generate call" in proc.stderr  # what `auto` chose, once
+    assert proc.stderr.count("population batching:") == 1
     assert "Traceback" not in proc.stderr
 
 

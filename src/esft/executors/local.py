@@ -68,6 +68,7 @@ class LocalExecutor:
         self.overlap_rewards = overlap_rewards
         """Sequential path: score member i in a background thread while member i+1 generates (torch
         kernels release the GIL; sandboxed reward functions run in other processes)."""
+        self._said_batching = False
 
     def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch,
                             sigma: float | None = None) -> list[MemberResult]:
@@ -79,6 +80,7 @@ class LocalExecutor:
             from esft.engines.population import generate_population, members_per_call
 
             group = members_per_call(self.engine, len(member_seeds), prompts)
+            self._say_batching(group, len(member_seeds))
             if group > 1:  # else one member's prompts fill a call: the path below, weights in place, no copies
                 generations = generate_population(self.engine, prompts, member_seeds, sigma, group=group)
                 return [self._result(seed, generation, self.scorer(rows, generation.texts, generation.token_ids))
@@ -95,6 +97,16 @@ class LocalExecutor:
                 if not self.overlap_rewards:
                     pending[-1][2].result()
             return [self._result(seed, generation, future.result()) for seed, generation, future in pending]
+
+    def _say_batching(self, group: int, members: int) -> None:
+        """Once per executor: what population batching chose (full-rank members each hold their own
+        weights: as many per call as fit in free memory, esft.engines.sizing)."""
+        if self._said_batching:
+            return
+        self._said_batching = True
+        what = (f"{group} of {members} members per generate call" if group > 1 else
+                "members one at a time (one member's copy of the weights and its rows fill a call)")
+        print(f"esft: population batching: {what}", file=sys.stderr)
 
     @staticmethod
     def _result(seed: int, generation: Generation, scores: Scores) -> MemberResult:
