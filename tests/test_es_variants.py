@@ -287,7 +287,7 @@ def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(lively_
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a `ray start` one
     try:
         finals = {}
         for executor in ("local", "ray"):

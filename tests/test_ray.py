@@ -36,7 +36,7 @@ def ray_cluster():
     """One local Ray instance for the session (4 logical CPUs: 2 actors plus a replacement)."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a `ray start` one
     yield
     if started:
         ray.shutdown()
@@ -334,6 +334,40 @@ def test_a_notebook_cell_run_again_is_told_to_close_the_trainer_that_holds_ray_i
     assert "TRAINED True" in proc.stdout
     assert "NICENESS 0 None" in proc.stdout  # the actors' priority, and the user's environment left as it was
     assert "CLOSED: this ESTrainer was closed (close() released its engine): build a new ESTrainer" in proc.stdout
+
+
+OTHER_CLUSTER = """
+import os
+from ray.cluster_utils import Cluster
+from esft.executors.ray_cluster import close_cluster, open_cluster
+from esft.settings.config import ESConfig
+import ray
+
+other = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})  # as `ray start --head` on this machine
+try:
+    open_cluster(ESConfig(executor="ray"))
+    print("OWN", ray.get_runtime_context().gcs_address != other.address, ray.cluster_resources()["CPU"], flush=True)
+    close_cluster()
+    print("STOPPED", not ray.is_initialized(), flush=True)
+finally:
+    other.shutdown()
+"""
+
+
+def test_without_ray_address_esft_starts_its_own_ray_beside_a_running_cluster(tmp_path):
+    """A `ray start` cluster already running on the machine (it leaves its address in /tmp/ray, where a
+    plain ray.init() finds it) used to make esft's local start fail (Ray refuses num_cpus when joining).
+    Without --ray-address esft starts its own local Ray, as documented, sized for the machine."""
+    import subprocess
+    import sys
+
+    from tiny_model import subprocess_env
+
+    (tmp_path / "other.py").write_text(OTHER_CLUSTER)
+    proc = subprocess.run([sys.executable, "other.py"], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"OWN True {float(os.cpu_count())}" in proc.stdout and "STOPPED True" in proc.stdout, proc.stdout
 
 
 def test_actors_no_local_cluster_can_place_are_refused_in_one_line(tiny_model_dir, tmp_path):

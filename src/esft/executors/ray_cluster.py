@@ -34,15 +34,16 @@ def open_cluster(args: ESConfig) -> None:
 
 
 def start_local_cluster(num_cpus: int) -> None:
-    """ray.init() of a local cluster whose workers run at normal priority. Ray starts workers at niceness
+    """ray.init() of a new local cluster (address "local": never one that `ray start` runs here, which a plain
+    ray.init() would join, refusing num_cpus) whose workers run at normal priority. Ray starts workers at niceness
     15 so they never starve its own processes; here the actors *are* the run, and at 15 they crawl beside
     anything else the machine runs (an unprivileged process cannot undo it). The variable is set for
     ray.init only; a value of the user's own is kept."""
     before = os.environ.get(_NICENESS)
     os.environ.setdefault(_NICENESS, "0")
     try:
-        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR,  # not Ray's own lines
-                 num_cpus=num_cpus)
+        ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=num_cpus,
+                 logging_level=logging.ERROR)  # not Ray's own lines
     finally:
         if before is None:
             os.environ.pop(_NICENESS, None)

@@ -296,7 +296,7 @@ class RunFields:
     ray_address: str | None = _in(
         "scale-out",
         "Ray: address of an existing cluster to join (e.g. auto, or ray://head:10001). "
-        "Default: start a local Ray instance.",
+        "Default: start a local Ray instance (a new one, also where `ray start` runs a cluster on this machine).",
         default=None,
     )
     ray_cpus_per_worker: float = _in("scale-out", "Ray: CPUs reserved per actor (also its torch thread count).", default=1.0)
