@@ -385,10 +385,12 @@ def test_self_check_accepts_low_precision_models(model_dir, dtype, noise):
 
 
 @pytest.mark.parametrize("noise", NOISES)
-def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_dir, noise):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_self_check_refuses_a_model_that_uses_a_weight_outside_its_module(model_dir, noise, dtype):
     """A forward that reads a perturbed matrix directly (F.linear on the weight, not the module call)
-    never meets the hooks: the batched logits would miss that perturbation, so the model is refused."""
-    engine = load_engine(model_dir, noise=noise)
+    never meets the hooks: the batched logits would miss that perturbation, so the model is refused (in
+    bfloat16 too, where a failure is measured again at a smaller σ)."""
+    engine = load_engine(model_dir, dtype=dtype, noise=noise)
     mlp = engine.model.model.layers[0].mlp
 
     def forward(x):
