@@ -367,7 +367,7 @@ def test_a_run_whose_update_turns_non_finite_stops_with_its_last_finite_checkpoi
     proc = run([sys.executable, str(TESTS / "toy_task.py"), "train", "--resume", str(run_dir / "checkpoint-2"),
                 "--iterations", "4", "--alpha", "1e39"], tmp_path)
     line = one_error_line(proc, "iteration 3", "not a finite float32", f"the weights from before it are in {run_dir / 'checkpoint-2'}",
-                          after=2)  # the lines saying where it resumed
+                          after=3)  # the lines saying where it resumed and how members are batched
     assert "smaller --alpha" in line
     assert not (run_dir / "final").exists() and not (run_dir / "checkpoint-3").exists()
 
