@@ -55,6 +55,8 @@ def test_status_lines_never_glue_onto_the_progress_bar(tiny_model_dir, tmp_path)
     assert notice and error, proc.stderr
     # each starts its own line: nothing of the bar ("ES:  20%|...") before it on the same line
     assert notice[0].startswith("reward function flaky") and error[0].startswith("esft: error:"), (notice, error)
+    batching = [line for line in raw if "population batching:" in line]  # said during the first iteration
+    assert batching == ["esft: population batching: 2 of 2 members per generate call"], batching
 
     budget = _train(tmp_path, tiny_model_dir, "--iterations", "5", "--budget-completions", "4", "--run-name", "b")
     assert budget.returncode == 0, budget.stderr[-2000:]

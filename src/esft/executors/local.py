@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from esft.console import say
 from esft.es.batches import PromptBatch
 from esft.settings.config import ConfigError
 from esft.engines.base import Engine, Generation, Sampling
@@ -106,7 +107,7 @@ class LocalExecutor:
         self._said_batching = True
         what = (f"{group} of {members} members per generate call" if group > 1 else
                 "members one at a time (one member's copy of the weights and its rows fill a call)")
-        print(f"esft: population batching: {what}", file=sys.stderr)
+        say(f"esft: population batching: {what}")  # above the progress bar, on a line of its own
 
     @staticmethod
     def _result(seed: int, generation: Generation, scores: Scores) -> MemberResult:
