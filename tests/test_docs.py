@@ -135,6 +135,8 @@ def test_the_config_reference_has_every_field_with_its_help_and_default():
         assert row is not None, f"{field.name} has no row in the configuration reference"
         assert " ".join(field.metadata["help"].split()).replace("|", "\\|")[:60] in row
         assert f"`{field.default}`".replace("|", "\\|") in row
+        algorithms = field.metadata["algorithms"]
+        assert f" | {'all' if len(algorithms) == 3 else ', '.join(algorithms)} | " in row  # which --algorithm it is for
 
 
 def test_the_committed_reference_pages_are_what_the_code_makes_now():

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from esft.es import strategy
+from esft.es.fitness import FAILED_SAMPLES, Fitness, same_prompts
+from esft.es.shaping import REWARD_SHAPING
+from esft.settings.config import ESConfig
+from esft.settings.rules import CHOICES
+
+HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(ESConfig)}
 from esft.engines.transformers_engine import TransformersEngine
 from esft.es.noise import NOISE_SCHEMES, draw_noise
 
@@ -39,16 +47,23 @@ EXPECTED_SHAPING = {
     "raw": lambda r: r,
     # the matrix below: prompt 1's column is the rewards (z-scored), prompt 2 is constant (0): averaged
     "per_prompt": lambda r: (r - r.mean()) / (r.std() + 1e-8) / 2,
+    "centered": lambda r: r - r.mean(),
 }
 
 
-@pytest.mark.parametrize("shaping", sorted(strategy.REWARD_SHAPING))
+@pytest.mark.parametrize("shaping", list(REWARD_SHAPING))
 def test_every_reward_shaping(shaping):
-    """Every shaping takes (member rewards, members × prompts matrix); zscore, rank and raw use the rewards."""
+    """Every shaping of the registry maps a Fitness (the members × prompts matrix, every member on the same
+    prompts) to one value per member; each registry entry has its expectation here."""
     assert shaping in EXPECTED_SHAPING, "new shaping: add its expectation here"
+    entry = REWARD_SHAPING[shaping]
+    assert entry.name == shaping and entry.summary and entry.summary in HELP["reward_shaping"]
     rewards = np.array([0.3, 1.1, -0.2, 0.3, 0.9])
-    per_prompt = np.stack([rewards, np.full(5, 0.5)], axis=1)  # members × prompts: a second, constant prompt
-    shaped = strategy.REWARD_SHAPING[shaping](rewards, per_prompt)
+    matrix = np.stack([rewards, np.full(5, 0.5)], axis=1)  # members × prompts: a second, constant prompt
+    fitness = Fitness.of(matrix, same_prompts(5, 2))
+    np.testing.assert_allclose(fitness.member, (rewards + 0.5) / 2, rtol=0, atol=1e-15)
+    member = (rewards + 0.5) / 2
+    shaped = entry(fitness)
     # Order-preserving (we maximize: a higher reward never gets a lower weight), ties equal.
     for i in range(len(rewards)):
         for j in range(len(rewards)):
@@ -56,16 +71,34 @@ def test_every_reward_shaping(shaping):
                 assert shaped[i] > shaped[j]
     assert shaped[0] == shaped[3]
     if EXPECTED_SHAPING[shaping] is not None:
-        np.testing.assert_allclose(shaped, EXPECTED_SHAPING[shaping](rewards), rtol=0, atol=1e-12)
+        expected = EXPECTED_SHAPING[shaping](rewards if entry.needs_shared_prompts else member)
+        np.testing.assert_allclose(shaped, expected, rtol=0, atol=1e-12)
     else:
         np.testing.assert_allclose(shaped, [-0.125, 0.5, -0.5, -0.125, 0.25])
-    state, coefficients = strategy.tell(strategy.ESState(0, 4), rewards, alpha=0.01, shaping=shaping, per_prompt=per_prompt)
+    state, coefficients = strategy.tell(strategy.ESState(0, 4), fitness, alpha=0.01, shaping=shaping)
     assert state.iteration == 5
     np.testing.assert_allclose(coefficients, 0.01 / 5 * shaped, rtol=1e-12)
+    # members scored on different prompts: a shaping that compares prompt by prompt refuses, the others
+    # shape the members' fitness as before
+    apart = Fitness.of(matrix, np.array([[0, 1], [0, 1], [2, 3], [0, 1], [0, 1]]))
+    assert not apart.shared_prompts and fitness.shared_prompts
+    if entry.needs_shared_prompts:
+        with pytest.raises(ValueError, match="same prompts"):
+            strategy.tell(strategy.init(0), apart, alpha=0.01, shaping=shaping)
+        with pytest.raises(ValueError, match="same prompts"):  # only member fitness, no prompts
+            strategy.tell(strategy.init(0), member.tolist(), alpha=0.01, shaping=shaping)
+    else:
+        assert strategy.tell(strategy.init(0), apart, 0.01, shaping)[1] == coefficients
+        assert strategy.tell(strategy.init(0), member.tolist(), 0.01, shaping)[1] == coefficients
+
+
+def test_the_shaping_choices_are_the_registry():
+    assert CHOICES["reward_shaping"] is REWARD_SHAPING and next(iter(REWARD_SHAPING)) == "zscore"
+    assert CHOICES["failed_samples"] is FAILED_SAMPLES and CHOICES["noise"] is NOISE_SCHEMES
 
 
 def test_zscore_is_population_std_and_constant_rewards_give_zero_step():
-    shaped = strategy.zscore(np.array([1.0, 2.0, 3.0, 4.0]))
+    shaped = REWARD_SHAPING["zscore"](Fitness.of_members([1.0, 2.0, 3.0, 4.0]))
     np.testing.assert_allclose(shaped.std(), 1.0, atol=1e-6)
     assert strategy.tell(strategy.init(0), [0.5] * 4, alpha=1.0)[1] == [0.0] * 4
     with pytest.raises(ValueError, match="finite"):

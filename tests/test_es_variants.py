@@ -22,7 +22,9 @@ from esft.es import schedules, strategy
 from esft.es.batches import PromptBatch
 from esft.es.noise import draw_noise, lowrank_factors
 from esft.executors import LocalExecutor
-from esft.loop.reward_faults import reward_matrix
+from esft.es.fitness import Fitness, same_prompts
+from esft.es.shaping import REWARD_SHAPING
+from esft.loop.member_fitness import reward_matrix
 from esft.rewards.runner import RewardRunner, score
 from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, toy_rows
@@ -144,18 +146,23 @@ def test_per_prompt_shaping_on_a_hand_made_reward_matrix():
                        [0.0, 0.3, 4.0],
                        [1.0, 0.3, nan],   # no usable score for prompt 3: left out of its column
                        [0.0, 0.3, 0.0]])  # prompt 2: every member alike, contributes 0
-    rewards = np.nanmean(matrix, axis=1)
-    shaped = strategy.REWARD_SHAPING["per_prompt"](rewards, matrix)
+    fitness = Fitness.of(matrix, same_prompts(4, 3))
+    np.testing.assert_allclose(fitness.member, np.nanmean(matrix, axis=1), rtol=1e-15)
+    shaped = REWARD_SHAPING["per_prompt"](fitness)
     first = 0.5 / (0.5 + 1e-8)  # column 1: mean 0.5, std 0.5
     third = 2 / (math.sqrt(8 / 3) + 1e-8)  # column 3 over 3 members: mean 2, std √(8/3)
     expected = [(first + 0 + 0) / 3, (-first + 0 + third) / 3, (first + 0 + 0) / 3, (-first + 0 - third) / 3]
     np.testing.assert_allclose(shaped, expected, rtol=1e-12)
     # constant columns give exactly 0, also where the mean of equal values is not exactly that value
-    assert strategy.REWARD_SHAPING["per_prompt"](np.zeros(3), np.full((3, 2), 0.1)).tolist() == [0.0, 0.0, 0.0]
-    _, coefficients = strategy.tell(strategy.init(0), rewards, alpha=0.4, shaping="per_prompt", per_prompt=matrix)
+    assert REWARD_SHAPING["per_prompt"](Fitness.of(np.full((3, 2), 0.1), same_prompts(3, 2))).tolist() == [0.0] * 3
+    _, coefficients = strategy.tell(strategy.init(0), fitness, alpha=0.4, shaping="per_prompt")
     np.testing.assert_allclose(coefficients, 0.4 / 4 * np.array(expected), rtol=1e-12)
-    with pytest.raises(ValueError, match="matrix"):
-        strategy.tell(strategy.init(0), rewards, alpha=0.4, shaping="per_prompt")
+    with pytest.raises(ValueError, match="same prompts"):  # member fitness alone says nothing of the prompts
+        strategy.tell(strategy.init(0), fitness.member.tolist(), alpha=0.4, shaping="per_prompt")
+    # the same prompts in another order per member are not the same columns: refused, not mixed up
+    shuffled = Fitness.of(matrix, np.array([[0, 1, 2], [0, 1, 2], [2, 1, 0], [0, 1, 2]]))
+    with pytest.raises(ValueError, match="same prompts"):
+        strategy.tell(strategy.init(0), shuffled, alpha=0.4, shaping="per_prompt")
 
 
 def test_reward_matrix_leaves_out_failed_and_unscored_samples_but_not_a_skipped_function():

@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from esft.es import strategy
-from esft.loop.reward_faults import FAILED_SAMPLES, member_rewards, reward_matrix
+from esft.es.fitness import FAILED_SAMPLES, Fitness
+from esft.es.shaping import REWARD_SHAPING
+from esft.loop.member_fitness import fitness_of, reward_matrix
 from esft.rewards.runner import score
 from esft.settings.config import ESConfig
 from esft.settings.rules import CHOICES, ConfigError
@@ -33,6 +34,10 @@ def broken(prompts, completions, **kwargs):
     raise RuntimeError("down")
 
 
+def member_rewards(batches, policy: str) -> list[float]:
+    return fitness_of(batches, policy).member.tolist()
+
+
 def members(*batches: str, funcs=(table,)):
     return [score(list(funcs), ROWS, batch.split(), failure_reward=-5.0) for batch in batches]
 
@@ -43,7 +48,7 @@ def test_a_member_mean_with_a_failed_sample_under_each_policy():
     omitted = member_rewards(batches, "omit")
     assert omitted[:2] + omitted[3:] == [2.0, 2.0, 4.0]  # the failed sample is not in the mean
     assert omitted[2] == pytest.approx(8 / 3)  # no sample left: the others' mean, so z-scoring gives it 0
-    assert strategy.zscore(np.array(omitted))[2] == pytest.approx(0.0, abs=1e-12)
+    assert REWARD_SHAPING["zscore"](Fitness.of_members(omitted))[2] == pytest.approx(0.0, abs=1e-12)
     # per_prompt follows the same policy: the failed entry is left out of its prompt (NaN) or holds -5
     assert np.isnan(reward_matrix(batches, "omit")[0, 2]) and reward_matrix(batches, "fill")[0, 2] == -5.0
     assert np.isnan(reward_matrix(batches, "fill")[3, 1])  # unscored (None) is left out under both
@@ -58,7 +63,7 @@ def test_a_member_mean_with_a_failed_sample_under_each_policy():
 
 
 def test_the_setting_defaults_to_omit_and_refuses_other_values():
-    assert FAILED_SAMPLES == CHOICES["failed_samples"] and ESConfig().failed_samples == "omit"
+    assert FAILED_SAMPLES is CHOICES["failed_samples"] and ESConfig().failed_samples == "omit"
     assert ESConfig(failed_samples="fill").failed_samples == "fill"
     with pytest.raises(ConfigError, match="--failed-samples.*omit, fill"):
         ESConfig(failed_samples="zero")

@@ -14,11 +14,11 @@ from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.settings.config import ConfigError, ESConfig, es_config, model_path
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
-from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do  # noqa: F401 - iteration_row: esft.grpo's
-from esft.loop.reward_faults import (count_failures, failure_summary, member_rewards, reward_matrix, skip_failing,
-                                     stop_if_unscorable, stop_if_unshapeable)
+from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do
+from esft.loop.member_fitness import fitness_of
+from esft.loop.reward_faults import count_failures, failure_summary, skip_failing, stop_if_unscorable, stop_if_unshapeable
 from esft.engines import build_engine
-from esft.engines.base import NonFiniteWeights
+from esft.engines.base import NonFiniteWeights, optional
 from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.lora import export_merged, uses_adapter
 from esft.loop.evaluation import EvalSettings, evaluate_task, kl_scorer
@@ -103,7 +103,7 @@ class ESTrainer:
     @property
     def model(self) -> Any:
         """The model being trained (the engine's; None for engines that keep it elsewhere, e.g. vLLM)."""
-        return getattr(self.engine, "model", None)
+        return optional(self.engine, "model")
 
     @property
     def processing_class(self) -> Any:
@@ -233,13 +233,14 @@ class ESTrainer:
             self._tell_rewards()
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration), sigma)
             batches = [member.scores for member in members]
-            self._stop_if_unscorable(batches, first=self.state.iteration == start)
-            rewards = member_rewards(batches, args.failed_samples)  # failed samples: --failed-samples
+            self._stop_if_unscorable(batches)
+            fitness = fitness_of(batches, args.failed_samples)  # members × prompts; failed samples: --failed-samples
+            rewards = fitness.member.tolist()
             stop_if_unshapeable(rewards, args.reward_shaping, batches, f"iteration {self.state.iteration + 1}",
                                 self._stop_checkpoint)
             # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers)
-            state, coefficients = strategy.tell(self.state, rewards, 1.0 if args.optimizer == "adam" else alpha,
-                                                args.reward_shaping, reward_matrix(batches, args.failed_samples))
+            state, coefficients = strategy.tell(self.state, fitness, 1.0 if args.optimizer == "adam" else alpha,
+                                                args.reward_shaping)
             self._update(seeds, coefficients, alpha)
             self.state = state
             last, _ = self._end_iteration(self._iteration_metrics(members, rewards, time.perf_counter() - started,
@@ -324,8 +325,8 @@ class ESTrainer:
     def _batch(self, iteration: int):
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
-    def _stop_if_unscorable(self, batches: Sequence[Scores], first: bool) -> None:
-        """esft.loop.reward_faults.stop_if_unscorable for this iteration (`first`: kept for callers)."""
+    def _stop_if_unscorable(self, batches: Sequence[Scores]) -> None:
+        """esft.loop.reward_faults.stop_if_unscorable for this iteration."""
         count_failures(self.failure_totals, self.rewards.names, batches)
         stop_if_unscorable(batches, self.rewards.names, self._skip_failing, f"iteration {self.state.iteration + 1}",
                            self._stop_checkpoint)

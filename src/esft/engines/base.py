@@ -12,9 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
-
-
 def resolve_device(device: str):
     """The torch device of a --device setting: "auto" picks CUDA when available, else CPU."""
     import torch
@@ -25,10 +22,14 @@ def resolve_device(device: str):
 
 
 def torch_dtype(name: str):
-    """The torch dtype of a --dtype name."""
+    """The torch dtype of a --dtype name (settings' CHOICES["dtype"], the one list of them: torch's own names)."""
     import torch
 
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    from esft.settings.rules import CHOICES
+
+    if name not in CHOICES["dtype"]:
+        raise KeyError(f"dtype must be one of {', '.join(CHOICES['dtype'])}, got {name!r}")
+    return getattr(torch, name)
 
 
 @dataclass
@@ -70,6 +71,17 @@ class NoTrainableParameters(ValueError):
 
 class NonFiniteWeights(ArithmeticError):
     """An update would make weights NaN/inf; the engine kept the weights from before it."""
+
+
+def master_checksum(named_tensors) -> str:
+    """The one digest of trainable weights: blake2b over each (name, float32 tensor) pair in the order given
+    (each engine keeps its own order, so digests written into earlier checkpoints still match); equal
+    digests mean bit-identical weights."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in named_tensors:
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def check_coefficients(coefficients: Sequence[float]) -> None:
@@ -175,6 +187,24 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release processes and devices the engine holds (idempotent)."""
+
+
+OPTIONAL_MEMBERS: dict[str, tuple[Any, str]] = {
+    "model": (None, "the transformers model in this process (KL's base, LoRA exports, population batching); None "
+                    "where the weights live elsewhere (vLLM workers, Ray actors, an engine of your own)"),
+    "last_update_ratio": (None, "‖Δθ‖/‖θ‖ of the last update over the trainable float32 master (es/update_ratio); "
+                                "None where the engine does not measure it"),
+    "generate_log": ((), "(rows, adapters) of each generate call, where the engine keeps one (vLLM)"),
+}
+"""What an engine may have beyond the Engine protocol: name -> (the value when it has none, what it is).
+Callers read these through `optional`, never by probing attributes themselves. Population batching in
+this process needs an in-process model besides (esft.engines.population.IN_PROCESS_MODEL), or an engine
+that batches its own members (PopulationEngine); any other engine evaluates members one at a time."""
+
+
+def optional(engine: Any, name: str) -> Any:
+    """An optional member of `engine` (OPTIONAL_MEMBERS), or its default when the engine has none."""
+    return getattr(engine, name, OPTIONAL_MEMBERS[name][0])
 
 
 @runtime_checkable

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from esft.files import SETTINGS_LIMIT, read_regular_text
 from esft.settings.config import EMBEDDED_MODEL, ConfigError, ESConfig, embedded_model_path, model_path, split_list
 from esft.settings.rules import is_adapter_dir
-from esft.engines.base import NoTrainableParameters, resolve_device, torch_dtype
+from esft.engines.base import NoTrainableParameters, optional, resolve_device, torch_dtype
 from esft.es.noise import LOW_RANK_SCHEMES
 
 if TYPE_CHECKING:  # torch and the engine load only when LoRA is used: the trainer imports this module
@@ -57,7 +57,7 @@ def is_peft_model(model: Any) -> bool:
 
 def uses_adapter(engine: Any, args: ESConfig) -> bool:
     """Whether a run's engine trains a LoRA adapter (its saves are adapters; final-merged/ is written)."""
-    return args.uses_lora() or is_peft_model(getattr(engine, "model", None))
+    return args.uses_lora() or is_peft_model(optional(engine, "model"))
 
 
 def base_of(adapter_dir: str | Path) -> str:
@@ -175,7 +175,7 @@ def export_merged(engine: Any, path: str | Path, base: str | None = None, dtype:
     engine elsewhere (Ray) saves its adapter, which is merged into `base` (a name or directory) loaded
     on CPU in `dtype`. Needs a CPU copy of the model in memory while it runs."""
     path = Path(path)
-    model = getattr(engine, "model", None)
+    model = optional(engine, "model")
     if is_peft_model(model):
         engine.restore()
         merged = _cpu_copy(model).merge_and_unload()

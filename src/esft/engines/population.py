@@ -274,6 +274,19 @@ def generate_population(
 
 # ------------------------------------------------------------------ self-check
 _CHECKED = "_esft_population_checked"
+IN_PROCESS_MODEL = ("model", "master", "trainable", "noise", "generated_chunks", "perturb", "restore")
+"""What batching members in this process reads of an engine (the transformers engine has all of it): an
+engine without these (a user's own engine, the Ray proxy of actors that hold the model) runs members
+one at a time unless it batches its own members (PopulationEngine)."""
+
+
+def _lacks_model(engine) -> str | None:
+    """Why members of `engine` cannot be batched here because it holds no in-process model, or None."""
+    missing = [name for name in IN_PROCESS_MODEL if getattr(engine, name, None) is None]
+    if not missing:
+        return None
+    return (f"the {type(engine).__name__} engine holds no in-process model to batch members on (it has no "
+            f"{', '.join(missing)}); evaluate members one at a time (no --population-batching)")
 
 
 def population_batching_problem(engine) -> str | None:
@@ -300,6 +313,8 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     error/effect 1.13 at 0.3, 0.06 at 0.1), while a missed use scales with σ as the effect does."""
     if getattr(engine, _CHECKED, False):
         return
+    if (reason := _lacks_model(engine)) is not None:
+        raise PopulationBatchingError(reason)
     model = engine.model
     matrices = [engine.master[name] for _, name, param in engine.trainable if perturbs(engine.noise, param.shape)]
     if not matrices:

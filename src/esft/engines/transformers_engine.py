@@ -8,7 +8,6 @@ in float32 on the master, so small steps are not rounded away in low-precision m
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,11 +24,13 @@ from esft.engines.base import (
     check_coefficients,
     check_optimizer_state,
     generation_from_tokens,
+    master_checksum,
     resolve_device,
     torch_dtype,
 )
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 from esft.es.optimizers import ESOptimizer
+from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update
 
 class TransformersEngine:
     """Holds one transformers model; member evaluation = perturb → generate → restore."""
@@ -77,6 +78,7 @@ class TransformersEngine:
         self._scratch = {name: flat[: m.numel()].view(m.shape) for name, m in self.master.items()}
         self.optimizer = ESOptimizer(**(optimizer or {}))
         """How G moves the master (--optimizer: esft.es.optimizers.optimizer_spec); adam's state beside the master."""
+        self._update_rule = UpdateRule(noise, rank, self.optimizer, self._generator, flat, self.device)
         self.last_update_ratio: float | None = None
         """‖Δθ‖/‖θ‖ of the last update (the trainable float32 master; None before the first)."""
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
@@ -161,50 +163,28 @@ class TransformersEngine:
 
     @torch.no_grad()
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
-        """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32 (sgd), or the optimizer's step
-        on that G (self.optimizer, esft.es.optimizers: adam, weight decay; `learning_rate` = α), then θ ← master.
-
-        Per tensor the noise of every member is regenerated and accumulated before one add, as in
-        the reference; nothing of the population's noise is ever held at once. Low-rank noise: one
-        matmul of the members' concatenated factors per matrix (esft.es.lowrank.accumulate_update; adam
-        needs the dense G: esft.es.lowrank.dense_update into the noise scratch).
-        The weights θ are written only once every new master tensor is known to be finite (also
-        after rounding to the model dtype): otherwise NonFiniteWeights, and the master is put back
-        from θ (exact in float32; in bfloat16/float16 the master then holds θ's rounded values); adam's
-        moments of the tensors stepped before that are not put back (the run stops there).
-        """
+        """master ← the optimizer's step on G = Σᵢ coefficients[i]·ε(member_seeds[i]), accumulated in float32
+        per tensor (esft.es.update.apply_update: sgd master += G; adam, weight decay: `learning_rate` = α),
+        then θ ← master. The weights θ are written only once every new master tensor is known to be finite
+        (also after rounding to the model dtype): otherwise NonFiniteWeights, the master is put back from θ
+        (exact in float32; in bfloat16/float16 the master then holds θ's rounded values) and adam's state
+        as it was."""
         check_coefficients(coefficients)
-        updated = []
-        moved_sq = weights_sq = 0.0
-        for index, name, param in self.trainable:
-            if not perturbs(self.noise, param.shape):
-                continue
-            before = self.master[name].clone()  # one tensor at a time: ‖Δθ‖ for last_update_ratio
-            if self.noise in LOW_RANK_SCHEMES and self.optimizer.plain:
-                lowrank.accumulate_update(self.master[name], index, member_seeds, coefficients, self.rank, self._generator)
-            elif self.noise in LOW_RANK_SCHEMES:
-                total = lowrank.dense_update(self._scratch[name], index, member_seeds, coefficients, self.rank, self._generator)
-                self.optimizer.step(name, self.master[name], total, learning_rate)
-            else:
-                total = torch.zeros_like(self.master[name])
-                noise = self._scratch[name]
-                for member_seed, coefficient in zip(member_seeds, coefficients, strict=True):
-                    draw_noise(self.noise, member_seed, index, param.shape, self.device, self._generator, noise)
-                    total.add_(noise, alpha=coefficient)
-                self.optimizer.step(name, self.master[name], total, learning_rate)  # sgd: master.add_(total)
-            updated.append((name, param))
-            moved_sq += float(before.sub_(self.master[name]).square().sum(dtype=torch.float64))
-            weights_sq += float(self.master[name].square().sum(dtype=torch.float64))
-            del before
-        bad = [name for name, param in updated if not torch.isfinite(self.master[name].to(param.dtype)).all()]
-        if bad:
-            for name, param in updated:
+        tensors = [UpdateTensor(index, tuple(param.shape), [Piece(name, self.master[name], name, param.dtype)])
+                   for index, name, param in self.trainable]
+        stepped = [(name, param) for _, name, param in self.trainable if perturbs(self.noise, param.shape)]
+
+        def put_back() -> None:
+            for name, param in stepped:
                 self.master[name].copy_(param)
-            raise NonFiniteWeights(f"the update would make {len(bad)} tensor(s) non-finite ({', '.join(bad[:3])}) "
-                                   "(weights unchanged)")
-        for name, param in updated:
+
+        result = apply_update(tensors, member_seeds, coefficients, self._update_rule, learning_rate, put_back)
+        if result.bad:
+            raise NonFiniteWeights(f"the update would make {len(result.bad)} tensor(s) non-finite "
+                                   f"({', '.join(result.bad[:3])}) (weights unchanged)")
+        for name, param in stepped:
             param.copy_(self.master[name])
-        self.last_update_ratio = (moved_sq / weights_sq) ** 0.5 if weights_sq else 0.0
+        self.last_update_ratio = result.ratio
 
     def master_state(self) -> dict[str, torch.Tensor]:
         """The float32 master of the trainable tensors (for checkpoints)."""
@@ -231,11 +211,7 @@ class TransformersEngine:
 
     def checksum(self) -> str:
         """A digest of the master weights; equal digests mean bit-identical replicas."""
-        digest = hashlib.blake2b(digest_size=16)
-        for _, name, _ in self.trainable:
-            digest.update(name.encode())
-            digest.update(self.master[name].cpu().numpy().tobytes())
-        return digest.hexdigest()
+        return master_checksum((name, self.master[name]) for _, name, _ in self.trainable)
 
     def num_trainable(self) -> int:
         """Count of trainable scalars."""

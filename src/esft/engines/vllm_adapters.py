@@ -260,25 +260,24 @@ class LoRAESWorker:
 
     @torch.no_grad()
     def esft_lora_es_update(self, seeds, coefficients, learning_rate: float = 1.0) -> list[str]:
-        """The optimizer's step on G = Σᵢ cᵢ·εᵢ per adapter tensor, accumulated in float32 (sgd: master += G);
-        names that would not be finite (then the master and the optimizer state are unchanged)."""
-        from esft.es.noise import draw_noise
+        """The update of every engine (esft.es.update.apply_update) on the adapter's float32 master: the
+        optimizer's step on G = Σᵢ cᵢ·εᵢ per adapter tensor (sgd: master += G); names that would not be finite
+        (then the master and the optimizer's state are as before)."""
+        from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update
 
-        optimizer = self._esft_les_optimizer
-        before = optimizer.state_dict() if optimizer.state else None  # adapters are small: a copy undoes a bad step
-        generator, new = torch.Generator(device="cpu"), {}
-        for index, name, _, shape in self._esft_les_spec:
-            total = torch.zeros(shape, dtype=torch.float32)
-            for seed, coefficient in zip(seeds, coefficients, strict=True):
-                total.add_(draw_noise(self._esft_les_noise, seed, index, shape, "cpu", generator), alpha=coefficient)
-            new[name] = self._esft_les_master[name].clone()
-            optimizer.step(name, new[name], total, learning_rate)
-        bad = [name for name, tensor in new.items() if not torch.isfinite(tensor).all()]
-        if not bad:
-            self._esft_les_master.update(new)
-        elif optimizer.kind == "adam":
-            optimizer.load_state_dict(before or {})
-        return bad
+        masters = self._esft_les_master
+        tensors = [UpdateTensor(index, tuple(shape), [Piece(name, masters[name], name)])
+                   for index, name, _, shape in self._esft_les_spec]
+        before = {name: tensor.clone() for name, tensor in masters.items()}  # adapters are small: a copy undoes a step
+        largest = max((torch.Size(shape).numel() for *_, shape in self._esft_les_spec), default=1)
+        rule = UpdateRule(self._esft_les_noise, self._esft_les_rank, self._esft_les_optimizer,
+                          torch.Generator(device="cpu"), torch.empty(largest, dtype=torch.float32))
+
+        def put_back() -> None:
+            for name, tensor in before.items():
+                masters[name].copy_(tensor)
+
+        return apply_update(tensors, seeds, coefficients, rule, learning_rate, put_back).bad
 
     def esft_lora_es_optimizer(self) -> dict:
         """The optimizer's state, PEFT-named (pack_state)."""

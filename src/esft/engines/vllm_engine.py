@@ -43,6 +43,7 @@ from esft.engines.base import (
 from esft.engines.vllm_adapters import adapter_trainable, member_request, smallest_lora_rank, unpack_state
 from esft.engines.vllm_worker import from_bytes, to_bytes
 from esft.es.noise import LOW_RANK_SCHEMES, perturbs
+from esft.es.update import UpdateResult
 
 EXTENSION = "esft.engines.vllm_worker.ESWorkerExtension"
 
@@ -88,6 +89,8 @@ class VLLMEngine:
         self.max_tokens = max_tokens
         self.mini_batch_size = mini_batch_size  # vLLM schedules its own batches: results do not depend on it
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.last_update_ratio: float | None = None
+        """‖Δθ‖/‖θ‖ of the last update over the trainable float32 master, all ranks (None before the first)."""
         self.hf_params = hf_parameter_list(self.model_path)
         on_gpu = torch.cuda.is_available()
         # Low-rank noise: members are LoRA adapters of this engine (esft.engines.vllm_adapters), as
@@ -181,11 +184,13 @@ class VLLMEngine:
         """master ← master + Σᵢ coefficients[i]·ε(member_seeds[i]) in float32 (or the optimizer's step
         on it: Engine.update), then θ ← master (NonFiniteWeights, weights unchanged, if that would not be finite)."""
         check_coefficients(coefficients)
-        bad = sorted({name for names in self._rpc("esft_update", [int(s) for s in member_seeds],
-                                                    [float(c) for c in coefficients], float(learning_rate)) for name in names})
+        results = self._rpc("esft_update", [int(s) for s in member_seeds], [float(c) for c in coefficients],
+                            float(learning_rate))
+        bad = sorted({name for names, _, _ in results for name in names})
         if bad:
             raise NonFiniteWeights(f"the update would make {len(bad)} tensor(s) non-finite ({', '.join(bad[:3])}) "
                                    "(weights unchanged)")
+        self.last_update_ratio = UpdateResult([], sum(r[1] for r in results), sum(r[2] for r in results)).ratio
 
     def checksum(self) -> str:
         """Digest of the float32 master over all workers; equal digests = bit-identical replicas."""

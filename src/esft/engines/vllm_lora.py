@@ -15,7 +15,6 @@ same seeded initialisation as the transformers engine) and saving: `final/` is a
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import torch
 
 from esft.engines.base import (Generation, NonFiniteWeights, Sampling, check_coefficients, check_optimizer_state,
-                               generation_from_tokens)
+                               generation_from_tokens, master_checksum)
 from esft.engines.vllm_adapters import lora_es_request, pack_state, unpack_state
 from esft.engines.vllm_engine import VLLMEngine
 from esft.es.noise import LOW_RANK_SCHEMES
@@ -111,11 +110,7 @@ class VLLMLoRAEngine(VLLMEngine):
         self._rpc("esft_lora_es_load_optimizer", pack_state(state))
 
     def checksum(self) -> str:
-        digest = hashlib.blake2b(digest_size=16)
-        for name, tensor in sorted(self.master_state().items()):
-            digest.update(name.encode())
-            digest.update(tensor.numpy().tobytes())
-        return digest.hexdigest()
+        return master_checksum(sorted(self.master_state().items()))
 
     def current_weights(self) -> dict[str, torch.Tensor]:
         return self.master_state()

@@ -33,16 +33,17 @@ the packing work and the packed copy of every weight (docs/benchmarks.md).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
 
 from esft.engines import vllm_cpu_lora
+from esft.engines.base import master_checksum
 from esft.engines.vllm_adapters import AdapterWorker, LoRAESWorker, lora_unwrapped, pack_state
 from esft.es import lowrank
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 from esft.es.optimizers import AdamState, ESOptimizer
+from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update
 
 # ------------------------------------------------------------ CPU GEMM dispatch
 _PACKED_LAYERS: list[torch.nn.Module] = []
@@ -228,6 +229,8 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
         largest = max(torch.Size(shape).numel() for _, shape, _ in self._esft_trainable)
         self._esft_scratch = torch.empty(largest, dtype=torch.float32, device=self._esft_device)
         self._esft_out = torch.empty(largest, dtype=torch.float32, device=self._esft_device)
+        self._esft_rule = UpdateRule(noise, int(rank), self._esft_optimizer, self._esft_generator, self._esft_scratch,
+                                     self._esft_device)
         return sum(
             torch.Size(shape).numel() for _, shape, _ in self._esft_trainable
         )
@@ -287,48 +290,26 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
         self._esft_repack(self._esft_master)
 
     @torch.no_grad()
-    def esft_update(self, seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> list[str]:
-        """master += Σᵢ cᵢ·εᵢ, accumulated in float32 per HF tensor (as the transformers engine
-        does, so both engines compute the same float32 numbers; adam or weight decay: the optimizer's
-        step on that G, block by block, elementwise as on the whole tensor), then θ ← master. If a tensor
-        would not be finite, θ is left alone, the master is put back from it, and the names of the
-        offending vLLM tensors are returned (else [])."""
-        optimizer = self._esft_optimizer
-        for index, shape, blocks in self._esft_trainable:
-            if self._esft_scheme in LOW_RANK_SCHEMES and not optimizer.plain:
-                if perturbs(self._esft_scheme, shape):  # the dense G into the scratch, then the optimizer's step
-                    total = self._esft_scratch[: torch.Size(shape).numel()].view(shape)
-                    lowrank.dense_update(total, index, seeds, coefficients, self._esft_rank, self._esft_generator)
-                    self._esft_step(index, blocks, total, learning_rate)
-                continue
-            if self._esft_scheme in LOW_RANK_SCHEMES:
-                if perturbs(self._esft_scheme, shape):  # one matmul of the members' factors, on the HF matrix
-                    whole = self._esft_hf_master(shape, blocks)
-                    lowrank.accumulate_update(whole, index, seeds, coefficients, self._esft_rank, self._esft_generator)
-                    for name, vslices, hslices in blocks:
-                        self._esft_master[name][vslices].copy_(whole[hslices])
-                continue
-            total = torch.zeros(shape, dtype=torch.float32, device=self._esft_device)
-            for seed, coefficient in zip(seeds, coefficients, strict=True):
-                total.add_(self._esft_draw(seed, index, shape), alpha=coefficient)
-            if not optimizer.plain:
-                self._esft_step(index, blocks, total, learning_rate)
-                continue
-            for name, vslices, hslices in blocks:
-                self._esft_master[name][vslices].add_(total[hslices])
-        bad = [name for name, master in self._esft_master.items()
-               if not torch.isfinite(master.to(self._esft_params[name].dtype)).all()]
-        if bad:  # put the master back from θ (still the weights before this update) and say so
+    def esft_update(self, seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0
+                    ) -> tuple[list[str], float, float]:
+        """The transformers engine's update (esft.es.update.apply_update) on this rank's blocks of each HF
+        tensor: G accumulated in float32 per HF tensor, so both engines compute the same float32 numbers,
+        the optimizer's step block by block (elementwise, as on the whole tensor), then θ ← master. If a
+        tensor would not be finite, θ is left alone, the master is put back from it, the optimizer's state
+        is put back, and the names of the offending vLLM tensors are returned. Returns (those names,
+        ‖Δθ‖², ‖θ‖² of this rank's blocks)."""
+        tensors = [UpdateTensor(index, tuple(shape), [
+            Piece(f"{index}/{number}", self._esft_master[name][vslices], name, self._esft_params[name].dtype, hslices)
+            for number, (name, vslices, hslices) in enumerate(blocks)]) for index, shape, blocks in self._esft_trainable]
+
+        def put_back() -> None:  # θ still holds the weights from before this update
             for name, master in self._esft_master.items():
                 master.copy_(self._esft_params[name].data)
-            return bad
-        self.esft_restore()
-        return []
 
-    def _esft_step(self, index: int, blocks, total: torch.Tensor, learning_rate: float) -> None:
-        for number, (name, vslices, hslices) in enumerate(blocks):
-            self._esft_optimizer.step(f"{index}/{number}", self._esft_master[name][vslices], total[hslices].contiguous(),
-                                      learning_rate)
+        result = apply_update(tensors, seeds, coefficients, self._esft_rule, learning_rate, put_back)
+        if not result.bad:
+            self.esft_restore()
+        return result.bad, result.moved_sq, result.weights_sq
 
     def esft_optimizer_blocks(self) -> list[tuple[str, list, dict]]:
         """This rank's optimizer state in HF layout: (HF name, HF slices as [start, stop] pairs, the
@@ -357,12 +338,8 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
                     moments[0][hslices].contiguous(), moments[1][hslices].contiguous(), int(steps[name]))
 
     def esft_checksum(self) -> str:
-        """Digest of this rank's float32 master."""
-        digest = hashlib.blake2b(digest_size=16)
-        for name in sorted(self._esft_master):
-            digest.update(name.encode())
-            digest.update(self._esft_master[name].cpu().numpy().tobytes())
-        return digest.hexdigest()
+        """Digest of this rank's float32 master (vLLM names, sorted)."""
+        return master_checksum((name, self._esft_master[name]) for name in sorted(self._esft_master))
 
     def esft_master_blocks(self, current: bool = False) -> list[tuple[str, list, bytes]]:
         """This rank's trainable elements in HF layout: (HF name, HF slices as [start, stop] pairs,

@@ -45,6 +45,8 @@ class ESOptimizer:
             raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {kind!r}")
         self.kind, self.betas, self.eps, self.weight_decay = kind, (float(betas[0]), float(betas[1])), float(eps), float(weight_decay)
         self.state: dict[str, AdamState] = {}
+        self._undo: dict[str, AdamState | None] | None = None
+        """During an update (begin_update): each stepped key's state from before it, for rollback."""
 
     @property
     def plain(self) -> bool:
@@ -61,6 +63,9 @@ class ESOptimizer:
             master.add_(gradient)
             return
         state = self.state.get(key)
+        if self._undo is not None and key not in self._undo:  # adam's moments as they were, should the update fail
+            self._undo[key] = None if state is None else AdamState(state.exp_avg.clone(), state.exp_avg_sq.clone(),
+                                                                   state.step)
         if state is None:
             state = self.state[key] = AdamState(torch.zeros_like(master, dtype=torch.float32),
                                                 torch.zeros_like(master, dtype=torch.float32))
@@ -72,6 +77,24 @@ class ESOptimizer:
         step_size = learning_rate / (1.0 - beta1 ** state.step)
         denominator = torch.sqrt(state.exp_avg_sq, out=gradient).div_((1.0 - beta2 ** state.step) ** 0.5).add_(self.eps)
         master.addcdiv_(state.exp_avg, denominator, value=step_size)
+
+    def begin_update(self) -> None:
+        """Steps from here on can be undone (rollback) until commit: adam keeps a copy of each stepped
+        key's moments (8 bytes per trainable scalar while the update runs); sgd has no state."""
+        self._undo = {} if self.kind == "adam" else None
+
+    def rollback(self) -> None:
+        """Put back the state of every key stepped since begin_update (the master is the engine's to restore)."""
+        for key, state in (self._undo or {}).items():
+            if state is None:
+                self.state.pop(key, None)
+            else:
+                self.state[key] = state
+        self._undo = None
+
+    def commit(self) -> None:
+        """Keep the steps since begin_update."""
+        self._undo = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The state as flat CPU tensors: exp_avg.<key>, exp_avg_sq.<key>, step.<key> (int64 scalar)."""

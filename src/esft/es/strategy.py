@@ -6,7 +6,7 @@ paper's). Ask/tell with explicit state, in the style of evosax:
 
     state = init(seed)
     seeds = ask(state, population_size)                    # member i perturbs θ + σ·ε(seeds[i])
-    state, coefficients = tell(state, rewards, alpha, shaping)
+    state, coefficients = tell(state, fitness, alpha, shaping)   # fitness: esft.es.fitness.Fitness
     # the engine then applies θ += Σ coefficients[i]·ε(seeds[i])   (= (α/N)·Σ zᵢ·εᵢ)
 
 α is NOT divided by σ, as in the paper (classic OpenAI-ES uses α/(N·σ)).
@@ -20,10 +20,13 @@ and only seeds cross processes. `merge_mirrored` folds each pair into one seed f
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from esft.es.fitness import Fitness
+from esft.es.shaping import REWARD_SHAPING
 
 SEED_RANGE = 2**30  # member seeds are drawn in [0, 2**30), as in the reference
 
@@ -74,77 +77,18 @@ def merge_mirrored(member_seeds: Sequence[int], coefficients: Sequence[float]) -
     return list(merged), list(merged.values())
 
 
-def zscore(rewards: np.ndarray, per_prompt: np.ndarray | None = None) -> np.ndarray:
-    """(R - mean) / (std + 1e-8), population std (ddof 0): the paper's shaping."""
-    return (rewards - rewards.mean()) / (rewards.std() + 1e-8)
-
-
-def centered_rank(rewards: np.ndarray, per_prompt: np.ndarray | None = None) -> np.ndarray:
-    """Ranks mapped to [-0.5, 0.5] (ties share their mean rank), as in OpenAI-ES."""
-    n = len(rewards)
-    order = np.argsort(rewards, kind="stable")
-    ranks = np.empty(n, dtype=np.float64)
-    ranks[order] = np.arange(n, dtype=np.float64)
-    for value in np.unique(rewards):  # ties: equal rewards must get equal weight
-        tied = rewards == value
-        ranks[tied] = ranks[tied].mean()
-    return ranks / (n - 1) - 0.5 if n > 1 else np.zeros(n)
-
-
-def raw(rewards: np.ndarray, per_prompt: np.ndarray | None = None) -> np.ndarray:
-    """Rewards as they are (no shaping)."""
-    return rewards.copy()
-
-
-def per_prompt_zscore(rewards: np.ndarray, per_prompt: np.ndarray | None = None) -> np.ndarray:
-    """Z-scores prompt by prompt, then averaged per member: each column of `per_prompt` (members ×
-    prompts; NaN = no usable score for that member on that prompt, left out of the column) becomes
-    (R - mean) / (std + 1e-8) over its present entries (population std); a column where every present
-    member scored the same (or fewer than two are present) gives 0; NaN entries count 0. A member's
-    shaped value is the mean of its row over all prompts. The ES analogue of GRPO's group baseline:
-    a prompt that is easy or hard for everyone no longer dominates the ranking."""
-    if per_prompt is None:
-        raise ValueError("per_prompt shaping needs the members × prompts reward matrix")
-    matrix = np.asarray(per_prompt, dtype=np.float64)
-    if matrix.ndim != 2 or matrix.shape[0] != len(rewards):
-        raise ValueError(f"the reward matrix must be members × prompts with {len(rewards)} rows, got {matrix.shape}")
-    present = ~np.isnan(matrix)
-    count = present.sum(axis=0)
-    filled = np.where(present, matrix, 0.0)
-    mean = filled.sum(axis=0) / np.maximum(count, 1)
-    std = np.sqrt(np.where(present, (matrix - mean) ** 2, 0.0).sum(axis=0) / np.maximum(count, 1))
-    highest = np.where(present, matrix, -np.inf).max(axis=0)
-    lowest = np.where(present, matrix, np.inf).min(axis=0)
-    constant = (count < 2) | (highest == lowest)  # exactly: a mean of equal values need not equal them
-    z = np.where(present & ~constant, (matrix - mean) / (std + 1e-8), 0.0)
-    return z.mean(axis=1)
-
-
-Shaping = Callable[[np.ndarray, np.ndarray | None], np.ndarray]
-REWARD_SHAPING: dict[str, Shaping] = {
-    "zscore": zscore,
-    "rank": centered_rank,
-    "raw": raw,
-    "per_prompt": per_prompt_zscore,
-}
-"""shaping(rewards, per_prompt) -> one value per member. `rewards`: each member's fitness (its mean
-reward over the batch, as the trainer computes it); `per_prompt`: the members × prompts matrix (NaN
-where a sample has no usable score) or None. zscore, rank and raw shape `rewards` alone."""
-
-
-def tell(
-    state: ESState, rewards: Sequence[float], alpha: float, shaping: str = "zscore",
-    per_prompt: np.ndarray | Sequence[Sequence[float]] | None = None,
-) -> tuple[ESState, list[float]]:
-    """Shape the members' rewards and return (next state, per-member update coefficients α/N·zᵢ).
-    `per_prompt`: the members × prompts reward matrix (NaN = left out), which `per_prompt` shaping needs."""
-    values = np.asarray(rewards, dtype=np.float64)
-    if not np.all(np.isfinite(values)):
-        raise ValueError(f"member rewards must be finite, got {values.tolist()}")
-    matrix = None if per_prompt is None else np.asarray(per_prompt, dtype=np.float64)
+def tell(state: ESState, fitness: Fitness | Sequence[float], alpha: float, shaping: str = "zscore"
+         ) -> tuple[ESState, list[float]]:
+    """Shape the members' fitness (esft.es.shaping's `shaping`) and return (next state, per-member update
+    coefficients α/N·zᵢ). `fitness`: an esft.es.fitness.Fitness, or each member's fitness alone (then no
+    shaping that compares members prompt by prompt)."""
+    if not isinstance(fitness, Fitness):
+        fitness = Fitness.of_members(fitness)
+    if not np.all(np.isfinite(fitness.member)):
+        raise ValueError(f"member rewards must be finite, got {fitness.member.tolist()}")
     with np.errstate(all="ignore"):
-        shaped = REWARD_SHAPING[shaping](values, matrix)
+        shaped = REWARD_SHAPING[shaping](fitness)
     if not np.all(np.isfinite(shaped)):
         raise ValueError(f"{shaping} shaping of these rewards is not finite (too large to shape in float64)")
-    coefficients = (alpha / len(values)) * shaped
+    coefficients = (alpha / len(fitness)) * shaped
     return replace(state, iteration=state.iteration + 1), [float(c) for c in coefficients]

@@ -13,7 +13,8 @@ from typing import Any
 from esft.console import say
 from esft.es.batches import PromptBatch
 from esft.settings.config import ConfigError
-from esft.engines.base import Engine, Generation, Sampling
+from esft.engines.base import Engine, Generation, Sampling, optional
+from esft.engines.registry import engine_spec
 from esft.rewards.runner import Scores
 
 Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str], Sequence[Sequence[int]]], Scores]
@@ -27,7 +28,7 @@ class MemberResult:
     seed: int
     reward: float
     """Mean reward over the batch, failed samples counting --failure-reward (Scores.mean); the trainer's
-    fitness is esft.loop.reward_faults.member_rewards, which leaves them out by default."""
+    fitness is esft.loop.member_fitness.fitness_of, which leaves them out by default."""
     scores: Scores
     num_tokens: int
     fingerprints: tuple[int, ...] = ()
@@ -42,9 +43,8 @@ def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool
     wanted = args.population_batching
     if wanted is False or args.algorithm not in ("es", "randopt") or args.iterations == 0:  # no ES members to evaluate
         return False
-    adapters = args.engine == "vllm" and (args.noise == "lowrank" or args.uses_lora())
-    if wanted == "auto" and args.engine != "transformers" and not adapters:
-        return False  # vLLM batches members itself only as LoRA adapters (low-rank noise, LoRA-ES)
+    if wanted == "auto" and not engine_spec(args.engine).batches_members(args.noise, args.uses_lora()):
+        return False  # e.g. vLLM batches members itself only as LoRA adapters (low-rank noise, LoRA-ES)
     reason = problem()
     if reason is None:
         return True
@@ -118,8 +118,8 @@ class LocalExecutor:
         self.engine.update(member_seeds, coefficients, learning_rate)
 
     def update_ratio(self) -> float | None:
-        """‖Δθ‖/‖θ‖ of the last update, where the engine measures it (the transformers engine), else None."""
-        return getattr(self.engine, "last_update_ratio", None)
+        """‖Δθ‖/‖θ‖ of the last update, where the engine measures it (esft.es.update: transformers, vLLM), else None."""
+        return optional(self.engine, "last_update_ratio")
 
     def generate(
         self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None

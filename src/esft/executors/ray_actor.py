@@ -13,6 +13,7 @@ from pathlib import Path
 
 import ray
 
+from esft.engines.base import optional
 from esft.es.batches import PromptBatch, prompt_batch
 from esft.settings.config import ESConfig
 from esft.executors.local import LocalExecutor, MemberResult
@@ -138,7 +139,7 @@ class ESActor:
     def generate_log(self) -> list[tuple[int, int]]:
         """(rows, distinct LoRA adapters) of each generate call of an engine that logs them (the vLLM
         engine: esft.engines.vllm_engine), else []: how this actor evaluated its share."""
-        return list(getattr(self.engine, "generate_log", []))
+        return list(optional(self.engine, "generate_log"))
 
     def generate(self, prompts, mini_batch_size=None, sampling=None):
         return self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling)

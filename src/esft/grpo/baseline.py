@@ -35,7 +35,8 @@ from esft.engines import check_device, check_hub_id, loading_errors
 from esft.engines.trained_model import TrainedModelEngine
 from esft.grpo.trl_trainer import ROW_COLUMN, STAGING_DIR, TRL_DIR, TRLCheckpointFiles, build_trl_trainer, require_trl
 from esft.rewards.runner import RewardFunc, Scores
-from esft.trainer import ESTrainer, budget_spent, iteration_row
+from esft.loop.iteration_metrics import budget_spent, iteration_row
+from esft.trainer import ESTrainer
 
 TRL_METRICS = ("loss", "grad_norm", "learning_rate", "kl", "entropy")
 """What TRL logs per step that metrics.jsonl keeps, as grpo/<name>."""
@@ -63,7 +64,6 @@ class GRPOBaseline(ESTrainer):
         """The step's generation batches: (rewards given to TRL, their Scores, generated tokens)."""
         self._row: dict[str, float] | None = None
         self._step_started = 0.0
-        self._first_batch = True
         self._last: dict[str, float] = {}
         super().__init__(model, reward_funcs, args, **kwargs)
 
@@ -97,7 +97,7 @@ class GRPOBaseline(ESTrainer):
         start = self._begin()
         try:
             if start < args.iterations and not budget_spent(args, self._budget):
-                self._first_batch, self._last = True, {}
+                self._last = {}
                 resume = self.run.resume.checkpoint / TRL_DIR if start else None
                 self._trl = build_trl_trainer(self, self.run_dir / STAGING_DIR, self._reward_for_trl)
                 self._trl.train(resume_from_checkpoint=str(resume) if resume else None)
@@ -117,8 +117,7 @@ class GRPOBaseline(ESTrainer):
         rows = [self.task.train_dataset[index] for index in columns[ROW_COLUMN]]
         self._tell_rewards()
         scores = self.rewards.score(rows, completions, completion_ids)
-        self._stop_if_unscorable([scores], first=self._first_batch)
-        self._first_batch = False
+        self._stop_if_unscorable([scores])
         values = [self.args.failure_reward if value is None else value for value in scores.total]
         self._pending.append((values, scores, sum(len(ids) for ids in completion_ids)))
         return values

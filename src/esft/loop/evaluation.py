@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.console import progress_bar
-from esft.engines.base import Generation, Sampling
+from esft.engines.base import Generation, Sampling, optional
 from esft.files import write_text_atomic
 from esft.loop.iteration_metrics import logged_metrics
 from esft.rewards.runner import PROMPT_SOURCE, RewardError, RewardRunner, Scores, failing_everywhere, mean_of
@@ -180,7 +180,7 @@ def _jsonable(value: Any) -> bool:
 def kl_scorer(engine, base: Any):
     """KL(current || base) per token (esft.engines.logprobs.KLScorer; `base` a path or a state dict), or
     None, said in one line, for an engine whose model is not in this process."""
-    model = getattr(engine, "model", None)
+    model = optional(engine, "model")
     if model is None:
         print("KL needs an in-process transformers engine; not reported", file=sys.stderr)
         return None

@@ -1,8 +1,7 @@
 """What a run does when rewards cannot train it (README "Reliability"): a reward function that fails
 on every sample of an iteration stops it, unless --reward-skip-failing names that function; rewards
 too large to average or shape (1e308 each) stop it with the same one-line rule. And what a failed
-sample counts in the update (--failed-samples, measured in benchmarks/failure_policy.py): by default
-nothing, it is left out of its member's mean and of its prompt's column."""
+sample counts in the update is esft.es.fitness's FAILED_SAMPLES policy, applied in esft.loop.member_fitness."""
 
 from __future__ import annotations
 
@@ -11,9 +10,10 @@ from typing import Any
 
 import numpy as np
 
+from esft.es.shaping import REWARD_SHAPING
 from esft.settings.rules import split_list
 from esft.console import say
-from esft.rewards.runner import Failure, RewardError, Scores, failing_everywhere, finite_mean
+from esft.rewards.runner import Failure, RewardError, Scores, failing_everywhere
 from esft.tasks.base import TaskError
 
 
@@ -30,12 +30,13 @@ def skip_failing(args: Any, names: Sequence[str]) -> set[str]:
 
 def stop_if_unshapeable(rewards: Sequence[float], shaping: str, batches: Sequence[Scores], when: str,
                         consequence) -> None:
-    """RewardError (one line, exit 2) when the members' rewards, or their spread that --reward-shaping
-    zscore divides by, are not finite numbers in float64 (finite rewards near 1e308 overflow there);
-    `consequence()` writes the checkpoint and says how to go on."""
+    """RewardError (one line, exit 2) when the members' rewards, or their spread that a shaping such as
+    --reward-shaping zscore divides by (Shaping.needs_finite_spread), are not finite numbers in float64
+    (finite rewards near 1e308 overflow there); `consequence()` writes the checkpoint and says how to go on."""
     values = np.asarray(rewards, dtype=np.float64)
     with np.errstate(all="ignore"):
-        spread = values.std() if shaping in ("zscore", "per_prompt") and np.all(np.isfinite(values)) else 0.0
+        spread = (values.std() if REWARD_SHAPING[shaping].needs_finite_spread and np.all(np.isfinite(values))
+                  else 0.0)
     if np.all(np.isfinite(values)) and np.isfinite(spread):
         return
     largest: dict[str, float] = {}
@@ -90,44 +91,3 @@ def failure_summary(failure_totals: dict[str, dict[str, Any]]) -> dict[str, Any]
     if summary:
         summary["reward/failures_total"] = sum(summary.values())
     return summary
-
-
-FAILED_SAMPLES = ("omit", "fill")
-"""--failed-samples: what a sample a reward function failed on counts in the update. omit: nothing
-(left out of its member's mean and its prompt's column); fill: --failure-reward."""
-
-
-def reward_matrix(batches: Sequence[Scores], failed: str = "omit") -> np.ndarray:
-    """The members × prompts matrix of an iteration's rewards (`batches`: one Scores per member, all
-    on the same prompts) that --reward-shaping per_prompt z-scores column by column. NaN marks an
-    entry left out of its prompt's column: a sample no function scored (None), or, with `failed`
-    "omit", one a reward function failed on (its value is the failure reward, not a score; with
-    "fill" it stays that value). A function that failed on every sample of the iteration (the run
-    goes on only under --reward-skip-failing) is not held against any sample: it adds the same
-    failure reward to every entry."""
-    everywhere = set(failing_everywhere(batches))
-    matrix = np.full((len(batches), max((len(scores.total) for scores in batches), default=0)), np.nan)
-    for row, scores in zip(matrix, batches):
-        failed_here = set() if failed == "fill" else {i for name, samples in scores.failed_samples.items()
-                                                      if name not in everywhere for i in samples}
-        for i, value in enumerate(scores.total):
-            if value is not None and i not in failed_here:
-                row[i] = value
-    return matrix
-
-
-def member_rewards(batches: Sequence[Scores], failed: str = "omit") -> list[float]:
-    """Each member's fitness, the mean reward of its batch (`batches`: one Scores per member, on the
-    same prompts). "fill": failed samples count the failure reward (Scores.mean). "omit": they are left
-    out, as in reward_matrix; a member left with no sample gets the mean of the others' fitness, so
-    that z-scoring gives it 0 and it neither pulls nor pushes the update (a timed-out reward call
-    fails a member's whole batch). Without failures both are Scores.mean, to the bit."""
-    if failed == "fill":
-        return [scores.mean() for scores in batches]
-    means = [finite_mean(kept) if (kept := [float(v) for v in row if not np.isnan(v)]) else None
-             for row in reward_matrix(batches, "omit")]
-    known = [mean for mean in means if mean is not None]
-    if not known:  # nothing scored anywhere (all None): the failure reward, as Scores.mean gives
-        return [scores.mean() for scores in batches]
-    neutral = finite_mean(known)
-    return [neutral if mean is None else mean for mean in means]

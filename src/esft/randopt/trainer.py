@@ -22,7 +22,8 @@ from esft.engines.base import Generation, Sampling
 from esft.es import strategy
 from esft.es.batches import PromptBatch
 from esft.loop.iteration_metrics import budget_spent, iteration_row
-from esft.loop.reward_faults import count_failures, failure_summary, member_rewards, stop_if_unscorable
+from esft.loop.member_fitness import fitness_of
+from esft.loop.reward_faults import count_failures, failure_summary, stop_if_unscorable
 from esft.randopt.selection import consolidation_weights, top_k, validation_indices, vote
 from esft.rewards.runner import RewardFunc
 from esft.runs.metrics import MetricsLogger
@@ -107,9 +108,11 @@ class RandOptTrainer(ESTrainer):
         members (greedy), else one member at a time (perturb → generate → restore)."""
         sigma = self.record.get("sigma", self.args.sigma)
         if getattr(self.executor, "population_batching", False) and (sampling is None or sampling.greedy):
-            from esft.engines.population import generate_population
+            from esft.engines.population import generate_population, population_batching_problem
 
-            return generate_population(self.engine, list(prompts), seeds, sigma, mini_batch_size)
+            # batched here only where this process holds the model (with --executor ray the actors do)
+            if population_batching_problem(self.engine) is None:
+                return generate_population(self.engine, list(prompts), seeds, sigma, mini_batch_size)
         generations = []
         for seed in seeds:
             self.engine.perturb(seed, sigma)
@@ -125,7 +128,7 @@ class RandOptTrainer(ESTrainer):
         rows = self.validation
         generation = self.engine.generate([row["prompt"] for row in rows], mini_batch_size=self.args.eval_batch_size)
         scores = self.rewards.score(rows, generation.texts, generation.token_ids)
-        return member_rewards([scores], self.args.failed_samples)[0], len(rows), sum(generation.num_tokens)
+        return float(fitness_of([scores], self.args.failed_samples).member[0]), len(rows), sum(generation.num_tokens)
 
     # ------------------------------------------------------------------- loop
     def _train(self) -> dict[str, float]:
@@ -140,8 +143,8 @@ class RandOptTrainer(ESTrainer):
             self._tell_rewards()
             results = self.executor.evaluate_population(chunk, PromptBatch(0, self.validation), args.sigma)
             batches = [result.scores for result in results]
-            self._stop_if_unscorable(batches, first=not members)
-            rewards = member_rewards(batches, args.failed_samples)
+            self._stop_if_unscorable(batches)
+            rewards = fitness_of(batches, args.failed_samples).member.tolist()
             number = len(self.record["rows"]) + 1
             row, self._budget = iteration_row(number, rewards, batches, sum(r.num_tokens for r in results),
                                               time.perf_counter() - started, self._budget)
@@ -246,7 +249,7 @@ class RandOptTrainer(ESTrainer):
             self._base = self.engine.master_state()
         self.engine.update(seeds, coefficients, 1.0)
 
-    def _stop_if_unscorable(self, batches, first: bool) -> None:
+    def _stop_if_unscorable(self, batches) -> None:
         count_failures(self.failure_totals, self.rewards.names, batches)
         stop_if_unscorable(batches, self.rewards.names, self._skip_failing, "scoring the members",
                            self._stop_checkpoint)

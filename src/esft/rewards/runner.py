@@ -12,7 +12,7 @@ left out of the member's mean; a member none of whose samples was scored gets `f
 Failures are not scores: NaN/inf, a non-number, an exception, a timeout or a crashed worker give
 that function's value for the sample(s) `failure_reward` (default 0), counted in `errors`/`timeouts`
 and listed in `failed_samples` (ES leaves them out of a member's fitness unless --failed-samples fill:
-esft.loop.reward_faults.member_rewards).
+esft.loop.member_fitness).
 User functions run in sandbox worker processes (esft.rewards.sandbox, shipped by esft.rewards.usercode); trusted
 built-ins run in-process. A round of scoring in which a function failed on every sample is what
 `failing_everywhere` finds; the trainer then stops with a RewardError (README: the reward sandbox).
@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import math
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from esft.es.fitness import finite_mean
 from esft.rewards.conventions import TRL, TRL_EXTRAS, RewardTrainerState, convention_of, target_column
 from esft.rewards.values import TRUSTED_ATTRIBUTE, RewardCall, call_reward, trusted_reward
 from esft.rewards.sandbox import Outcome, WorkerPool
@@ -94,17 +94,10 @@ class Scores:
 
     def mean(self) -> float:
         """Mean over scored samples, failed ones counting the failure reward (--failed-samples fill;
-        esft.loop.reward_faults.member_rewards leaves them out); the failure reward when no sample
+        esft.loop.member_fitness leaves them out by default); the failure reward when no sample
         was scored (so one member cannot poison the population's statistics)."""
         values = [v for v in self.total if v is not None]
         return finite_mean(values) if values else self.failure_reward
-
-
-def finite_mean(values: Sequence[float]) -> float:
-    """The mean of a non-empty list, also of finite rewards near the float limit (1e308 each), which
-    overflow a plain sum: those are scaled first."""
-    mean = sum(values) / len(values)
-    return mean if math.isfinite(mean) else sum(v / len(values) for v in values)
 
 
 def failing_everywhere(batches: Sequence[Scores]) -> dict[str, Failure]:

@@ -221,11 +221,6 @@ def resolve(shipped: Shipped | Callable) -> Callable:
     return func
 
 
-def is_resolved(shipped: Shipped) -> bool:
-    """Whether this process already holds `shipped` (a ByValue's payload need not be sent again)."""
-    return (shipped.key if isinstance(shipped, ByValue) else shipped) in _RESOLVED
-
-
 # ----------------------------------------------------------------------------- errors
 def describe(error: BaseException) -> str:
     """`Type: message` plus the innermost frame, on one line."""

@@ -82,7 +82,7 @@ METRICS: tuple[Metric, ...] = (
            "the iteration's prompts: 1 means every member wrote the unperturbed model's text (σ too small for "
            "this model), N every member its own.", "the batch's prompts (distinct over the N members)", ES_ROWS),
     Metric("es/update_ratio", "‖Δθ‖/‖θ‖ of the iteration's update over the trainable float32 master (0: the weights "
-           "did not move).", "all trainable tensors", ES_ROWS + ", transformers engine (in process or on Ray actors)"),
+           "did not move).", "all trainable tensors", ES_ROWS + ", transformers and vLLM engines, in process or on Ray actors (not LoRA-ES on vLLM)"),
     Metric("es/pairs_differ", "Fraction of ±σ pairs whose two rewards differ (a pair that ties adds nothing to "
            "the update).", "the N/2 pairs", ES_ROWS + " with --antithetic"),
     # ---- training: GRPO (TRL's values for the step, as TRL logs them)

@@ -20,10 +20,6 @@ from esft.runs.metrics import METRICS_FILE
 CONFIG_FILE = "config.yaml"
 STATUS_FILE = "status.json"
 """How the last train() in a run directory ended (esft.trainer writes it; `esft report` shows it)."""
-ES_ONLY_SETTINGS = ("population_size", "sigma", "alpha", "noise", "rank", "population_batching", "reward_shaping",
-                    "failed_samples", "antithetic", "sigma_schedule", "alpha_schedule")
-"""Settings GRPO runs ignore; GRPO's own are the 'GRPO (TRL)' section of ESConfig (grpo_settings)."""
-
 # Bookkeeping settings: they never make two runs' curves differ, so they are not "settings that differ".
 IGNORED_SETTINGS = ("run_name", "output_dir", "resume", "progress", "logging")
 BUDGET_KINDS = ("completions", "tokens", "seconds")
@@ -137,26 +133,18 @@ def write_status(run_dir: Path | None, status: str) -> None:
         pass
 
 
-def grpo_settings() -> tuple[str, ...]:
-    """The settings only --algorithm grpo uses (ESConfig's 'GRPO (TRL)' section)."""
+def applies(key: str, run: Run) -> bool:
+    """Whether setting `key` means anything for `run`'s algorithm: the field's `algorithms`
+    (esft.settings.fields); RandOpt has no iterations either. Keys ESConfig does not have apply to all."""
     import dataclasses
 
     from esft.settings.config import ESConfig
+    from esft.settings.rules import applies as field_applies
 
-    return tuple(f.name for f in dataclasses.fields(ESConfig) if f.metadata.get("group") == "GRPO (TRL)")
-
-
-def applies(key: str, run: Run) -> bool:
-    """Whether setting `key` means anything for `run`'s algorithm."""
-    from esft.settings.randopt import RANDOPT_OWN, RANDOPT_UNUSED
-
-    if key in RANDOPT_OWN:
-        return run.algorithm == "randopt"
-    if run.algorithm == "randopt" and key in (*RANDOPT_UNUSED, "iterations"):  # no update, no iterations
+    if run.algorithm == "randopt" and key == "iterations":  # no update, no iterations
         return False
-    if key in ES_ONLY_SETTINGS:  # RandOpt's members are ES's
-        return run.algorithm in ("es", "randopt")
-    return run.algorithm == "grpo" or key not in grpo_settings()
+    found = next((f for f in dataclasses.fields(ESConfig) if f.name == key), None)
+    return found is None or field_applies(found, run.algorithm)
 
 
 def setting_of(run: Run, key: str) -> Any:

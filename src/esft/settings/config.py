@@ -16,7 +16,8 @@ from esft.settings.trl_names import not_an_esconfig, unknown_setting
 from esft.settings.rules import (
     CHOICES,
     EMBEDDED_MODEL,
-    GRPO_ONLY,
+    es_only,
+    only_for,
     ConfigError,
     check,
     is_adapter_dir,
@@ -164,3 +165,13 @@ def _init_naming_unknown_settings(self, *args: Any, **kwargs: Any) -> None:
 
 
 ESConfig.__init__ = _init_naming_unknown_settings
+
+# Which settings apply to which algorithm, derived from each field's `algorithms` (esft.settings.fields)
+ES_ONLY = es_only(ESConfig)
+"""Settings of the ES loop (its members and its update) that --algorithm grpo has no use for: refused there."""
+GRPO_ONLY = only_for(ESConfig, "grpo")
+"""The "GRPO (TRL)" settings (TRL's names), meaningless to --algorithm es and randopt."""
+RANDOPT_OWN = only_for(ESConfig, "randopt")
+"""The settings only --algorithm randopt uses."""
+RANDOPT_UNUSED = only_for(ESConfig, "es") + only_for(ESConfig, "es", "grpo")
+"""ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""

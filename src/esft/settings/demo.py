@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from esft.settings.config import DEMO_PRESET, is_demo
+from esft.engines.registry import ENGINES
+from esft.settings.config import DEMO_PRESET, ESConfig, is_demo
 
 
 def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
@@ -16,10 +17,9 @@ def demo_preset_for(settings: dict[str, Any]) -> tuple[dict[str, Any], list[str]
         return {}, []  # the preset is ES's, measured on the demo: any other run gets the paper's defaults
     preset = {name: value for name, value in DEMO_PRESET.items() if name not in settings}
     reasons = []
-    if settings.get("engine", "transformers") != "transformers":
-        reasons.append((f"--engine {settings['engine']}", ("noise", "rank", "population_batching"),
-                        "measured on the transformers engine; on vLLM, --noise lowrank serves members as LoRA "
-                        "adapters of the linear layers only: ask for it"))
+    engine = ENGINES.get(settings.get("engine", ESConfig.engine))
+    if engine is not None and engine.demo_preset is not None:  # the preset was measured on another engine
+        reasons.append((f"--engine {settings['engine']}", ("noise", "rank", "population_batching"), engine.demo_preset))
     lora = settings.get("lora_r") or settings.get("lora_adapter")
     if lora:  # LoRA-ES: the adapter is small, its full-rank noise batches per member (esft.engines.adapter_population)
         reasons.append(("--lora-r" if settings.get("lora_r") else "--lora-adapter", ("noise", "rank"),

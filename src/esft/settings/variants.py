@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from esft.settings.fields import RunFields, _in
+from esft.settings.fields import ES_MEMBERS, ES_UPDATE, RunFields, _in
 from esft.settings.rules import ConfigError, shown
 
 SCHEDULE = re.compile(r"(constant)|(linear|cosine)(?::([0-9]*\.?[0-9]+(?:e-?[0-9]+)?))?")
@@ -22,27 +22,27 @@ class VariantFields(RunFields):
     antithetic: bool = _in(
         "ES", "Mirrored (antithetic) sampling: N/2 seeds, each evaluated at θ + σ·ε and θ − σ·ε (members 2k and "
         "2k+1), both used in the update; --population-size must be even. Off: the paper's one-sided seeds.",
-        default=False)
+        algorithms=ES_MEMBERS, default=False)
     optimizer: str = _in(
         "ES", "How the ES gradient estimate g = (1/N)·Σ zᵢ·εᵢ moves the weights: sgd (the paper: θ += α·g) or adam "
         "(torch.optim.Adam's step on g with learning rate α, maximizing: θ += α·m̂/(√v̂ + --adam-eps); float32 moments "
         "beside the master, tensor by tensor: 8 extra bytes per trainable parameter, saved in checkpoints as "
         "optimizer/optimizer.safetensors). Typical --alpha for adam is far below the paper's (every weight moves by about α per "
         "step). With --noise lowrank adam steps on each matrix's dense update. Not for --algorithm grpo (TRL's AdamW).",
-        default="sgd")
+        algorithms=ES_UPDATE, default="sgd")
     adam_betas: str = _in("ES", "Adam's β₁,β₂ (two numbers in [0, 1), comma-separated); with --algorithm grpo, TRL's "
                           "adam_beta1, adam_beta2.", default="0.9,0.999")
     adam_eps: float = _in("ES", "Adam's ε, added to √v̂; with --algorithm grpo, TRL's adam_epsilon.", default=1e-8)
     weight_decay: float = _in(
         "ES", "Decoupled weight decay (AdamW-style): θ ← θ·(1 − α·wd) before each step, with either optimizer (sgd: "
         "then θ += α·g; adam: torch.optim.AdamW's step). 0: none (the paper). With --algorithm grpo, TRL's "
-        "weight_decay.", default=0.0)
+        "weight_decay.", algorithms=("es", "grpo"), default=0.0)
     sigma_schedule: str = _in(
         "ES", "σ per iteration: constant, or linear / cosine from --sigma down to a final fraction of it "
-        "(e.g. cosine:0.1; default fraction 0.1), over --iterations. Logged as es/sigma.", default="constant")
+        "(e.g. cosine:0.1; default fraction 0.1), over --iterations. Logged as es/sigma.", algorithms=ES_UPDATE, default="constant")
     alpha_schedule: str = _in(
         "ES", "α per iteration, as --sigma-schedule (e.g. linear:0.0 decays to 0). Logged as es/alpha.",
-        default="constant")
+        algorithms=ES_UPDATE, default="constant")
 
     def adam_beta_pair(self) -> tuple[float, float]:
         """--adam-betas as two floats (validated by check_variants)."""

@@ -261,11 +261,6 @@ def task_from_factory(spec: str, settings: dict[str, Any]) -> Task:
     return prepare_task(task, f"--task {spec}")
 
 
-def task_label(task: str) -> str:
-    """A run-directory-friendly name for --task (a spec becomes its function name)."""
-    return task.rpartition(":")[2] if is_spec(task) else task
-
-
 def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
     """The task an ESConfig names: --reward-funcs data, a --task module:function factory, or a
     registered task (countdown, arithmetic, times-table, conciseness, math)."""
