@@ -180,6 +180,65 @@ def test_resuming_an_older_checkpoint_sets_the_later_lineage_aside(finished_run,
     assert [row["iteration"] for row in metrics(run_dir)] == [0, 1, 2, 3, 4]
 
 
+def test_a_run_written_between_reading_its_resume_point_and_taking_its_lock_is_refused_with_nothing_moved(
+        finished_run, tmp_path):
+    """Issue 66, case 1: `--resume` read the resume point while another process still wrote the run; that
+    process let go (it was writing its report) before the resume took the lock. The resume now compares
+    what it read with what is there once it holds the lock: a changed run is refused, nothing set aside."""
+    from esft.runs.directory import find_resume_point, open_run
+    from esft.settings.config import ConfigError, ESConfig
+
+    run_dir = copy_run(finished_run, tmp_path)
+    (run_dir / "final").rename(run_dir / "final-not-yet")
+    point = find_resume_point(run_dir / "checkpoint-2")  # an explicit older checkpoint: its directory is compared too
+    newest = find_resume_point(run_dir)
+    assert newest.iteration == 4 and point.iteration == 2
+    (run_dir / "final-not-yet").rename(run_dir / "final")  # the other process goes on writing: final/ appears
+    listing = sorted(p.name for p in run_dir.iterdir() if p.name != ".esft.lock")
+    for stale in (point, newest):
+        with pytest.raises(ConfigError, match="changed while esft read it .*nothing was moved: run the command again"):
+            open_run(ESConfig(), stale)
+        assert sorted(p.name for p in run_dir.iterdir() if p.name != ".esft.lock") == listing
+    point = find_resume_point(run_dir / "checkpoint-2")
+    with (run_dir / "metrics.jsonl").open("a") as handle:  # a metrics row appended is a change too
+        handle.write(json.dumps({"iteration": 5}) + "\n")
+    with pytest.raises(ConfigError, match="changed while esft read it"):
+        open_run(ESConfig(), point)
+    fresh = open_run(ESConfig(), find_resume_point(run_dir / "checkpoint-2"))  # read under no race: resumes
+    assert list(run_dir.glob("superseded-*")) and fresh.resume.iteration == 2
+    fresh.close()
+
+
+def test_the_report_is_written_while_the_run_is_still_held(lively_model_dir, tmp_path, monkeypatch):
+    """Issue 66, case 1: the lock was released before report.html was written, so a resume could take the
+    run while its first process still wrote into it."""
+    import esft.trainer
+    from esft import ESConfig, ESTrainer
+    from esft.runs.directory import _lock
+    from esft.settings.config import ConfigError
+    from toy_task import byte_reward, toy_rows
+
+    seen = []
+
+    def report(run_dir):
+        try:
+            os.close(_lock(run_dir, "resume"))
+            seen.append("free")
+        except ConfigError as error:
+            seen.append(str(error))
+        return None
+
+    monkeypatch.setattr(esft.trainer, "report_after_training", report)
+    args = ESConfig(output_dir=str(tmp_path), run_name="held", iterations=1, population_size=2, batch_size=2,
+                    max_tokens=3, eval_batch_size=4, progress=False, logging="none", reward_sandbox=False)
+    trainer = ESTrainer(str(lively_model_dir), reward_funcs=[byte_reward], args=args, train_dataset=toy_rows(4),
+                        eval_dataset=toy_rows(2, start=100))
+    trainer.train()
+    assert len(seen) == 1 and "is in use by another esft process" in seen[0]
+    os.close(_lock(tmp_path / "held", "resume"))  # released once train() returned
+    trainer.close()
+
+
 def _interruptible() -> None:
     """In the child before exec: SIGINT delivered and at its default, as in a terminal. A child inherits
     an ignored or blocked SIGINT from pytest's process (in the whole suite it arrived ignored: the run

@@ -215,8 +215,10 @@ class ESTrainer:
             console.detach()
             if self._logger is not None:
                 self._logger.close()
-            self._release_run()
-            self.report_path = report_after_training(self.run_dir)
+            try:  # report.html is the run's last file: written while the run directory is still held
+                self.report_path = report_after_training(self.run_dir)
+            finally:
+                self._release_run()
 
     def _status(self) -> str:
         """What esft report says of a run that ended without an error."""

@@ -10,7 +10,8 @@
   the newest checkpoint of a run directory that verifies (esft.runs.checkpoint.verify: every file matches
   its recorded digest), saying which ones it passed over. A run killed before its first checkpoint
   resumes from the start with its own settings.
-- `open_run(args, resume_point)` claims the directory. Resuming at iteration N sets aside what the
+- `open_run(args, resume_point)` claims the directory; a directory that changed since its resume point was
+  read (another process was still writing it) is refused, nothing moved. Resuming at iteration N sets aside what the
   run did after N (later checkpoints, `final/`, metrics rows, evaluation files, TensorBoard events
   of a restart from scratch) into `superseded-<time>/`: nothing is lost, nothing is mixed in.
 """
@@ -62,6 +63,9 @@ class ResumePoint:
     """Newer checkpoints passed over, each with why."""
     signed: bool = False
     """The settings carry this user's signature (esft.runs.signature): written by them, unedited."""
+    seen: tuple | None = None
+    """What the run directory held when the point was read (its_contents): open_run compares it again
+    once it holds the lock, so a run another process was still writing is refused, never set aside."""
 
 
 def find_resume_point(path: str | Path) -> ResumePoint:
@@ -72,11 +76,13 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         problem = verify(path)
         if problem:
             raise ResumeError(f"{problem}; resume from the run directory {path.parent} to use its newest intact checkpoint")
+        seen = its_contents(path.parent)
         state = read_state(path)
         return ResumePoint(path.parent, path, state["iteration"], state["config"],
-                           signed=signed_by_user(state["config"], state.get("settings_signature")))
+                           signed=signed_by_user(state["config"], state.get("settings_signature")), seen=seen)
     if not path.is_dir():
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory")
+    seen = its_contents(path)
     candidates = list_checkpoints(path) + ([path / "final"] if is_checkpoint(path / "final") else [])
     skipped = []
     # newest first; at equal iterations a checkpoint-<N> before final/ (the same weights)
@@ -85,7 +91,7 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         if problem is None:
             state = read_state(checkpoint)
             return ResumePoint(path, checkpoint, state["iteration"], state["config"], skipped,
-                               signed_by_user(state["config"], state.get("settings_signature")))
+                               signed_by_user(state["config"], state.get("settings_signature")), seen)
         skipped.append(problem)
     if skipped:
         raise ResumeError(f"no checkpoint of {path} is intact ({'; '.join(skipped)})")
@@ -93,7 +99,15 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory (no checkpoint-<N>, no {CONFIG_FILE})")
     config = read_run_yaml(path / CONFIG_FILE)
     signature = yaml_signature(read_regular_text(path / CONFIG_FILE, SETTINGS_LIMIT))
-    return ResumePoint(path, None, 0, config, signed=signed_by_user(config, signature))
+    return ResumePoint(path, None, 0, config, signed=signed_by_user(config, signature), seen=seen)
+
+
+def its_contents(path: Path) -> tuple:
+    """What a run directory holds, cheaply (no digests): its checkpoint directories, whether final/ is
+    complete, and the size of metrics.jsonl. Another process writing the run changes it."""
+    metrics = path / METRICS_FILE
+    return (tuple(sorted(c.name for c in path.glob("checkpoint-*"))), is_checkpoint(path / "final"),
+            metrics.stat().st_size if metrics.is_file() else None)
 
 
 def read_run_yaml(path: Path) -> dict[str, Any]:
@@ -205,6 +219,9 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
         _refuse_links(path)
         fd = _lock(path, "resume")
         try:
+            if resume.seen is not None and its_contents(path) != resume.seen:  # read, then written by another process
+                raise ConfigError("resume", f"{path} changed while esft read it (another esft process was still "
+                                  "writing it and has just let go of it); nothing was moved: run the command again")
             _remove_stale_temporaries(path)
             _set_aside_later(path, resume)
         except BaseException:
