@@ -209,6 +209,34 @@ def test_a_run_written_between_reading_its_resume_point_and_taking_its_lock_is_r
     fresh.close()
 
 
+def test_a_checkpoint_of_another_run_copied_into_a_run_is_refused_with_nothing_moved(finished_run,
+                                                                                    lively_model_dir, tmp_path):
+    """Issue 66, case 2: run B's checkpoint copied into (a copy of) run A resumed silently, A's metrics
+    then followed by B's and config.yaml rewritten with B's settings. Each run has an id now (config.yaml
+    and every checkpoint): a checkpoint of another run is one line, exit 2, nothing moved or rewritten."""
+    import shutil
+
+    other = tmp_path / "other"
+    proc = run(toy(lively_model_dir, other, "--run-name", "b", "--iterations", "2", "--save-every", "1", "--seed", "5"),
+               tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    run_dir = copy_run(finished_run, tmp_path)
+    for later in ("checkpoint-2", "checkpoint-3", "checkpoint-4", "final"):  # A as it was after iteration 1
+        shutil.rmtree(run_dir / later)
+    shutil.copytree(other / "b" / "checkpoint-2", run_dir / "checkpoint-2")  # B's: the newest checkpoint now
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file() and p.name != ".esft.lock"}
+    listing = sorted(p.name for p in run_dir.iterdir() if p.name != ".esft.lock")
+    for target in (run_dir, run_dir / "checkpoint-2"):
+        proc = run([sys.executable, str(TESTS / "toy_task.py"), "train", "--resume", str(target), "--iterations", "3"],
+                   tmp_path)
+        one_error_line(proc, f"--resume: {run_dir / 'checkpoint-2'} was written by another run", "nothing was moved")
+        assert sorted(p.name for p in run_dir.iterdir() if p.name != ".esft.lock") == listing
+        assert {name: (run_dir / name).read_bytes() for name in before} == before  # config.yaml, metrics.jsonl as they were
+    shutil.rmtree(run_dir / "checkpoint-2")  # its own checkpoint resumes as before
+    proc = run([sys.executable, str(TESTS / "toy_task.py"), "train", "--resume", str(run_dir), "--iterations", "2"], tmp_path)
+    assert proc.returncode == 0 and f"resumed from {run_dir / 'checkpoint-1'} at iteration 1" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_the_report_is_written_while_the_run_is_still_held(lively_model_dir, tmp_path, monkeypatch):
     """Issue 66, case 1: the lock was released before report.html was written, so a resume could take the
     run while its first process still wrote into it."""

@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from esft.engines.base import perturbed
 from esft.es import strategy
 from esft.es.batches import prompt_batch
 from esft.files import write_text_atomic
@@ -123,11 +124,8 @@ def scan(trainer: Any, sigmas: list[float], members: int, prompts: int) -> ScanR
     for sigma in sigmas:
         rewards, changed, garbled = [], 0, 0
         for seed in seeds:
-            engine.perturb(seed, sigma)
-            try:
+            with perturbed(engine, seed, sigma):
                 generation, reward = generate_and_score()
-            finally:
-                engine.restore()
             rewards.append(reward)
             changed += sum(a != b for a, b in zip(generation.fingerprints(), base_prints))
             garbled += sum(map(degenerate, generation.texts))

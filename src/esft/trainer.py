@@ -385,7 +385,8 @@ class ESTrainer:
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:
         checksum = self.engine.checksum()
-        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(), "checksum": checksum,
+        state = {"iteration": self.state.iteration, "seed": self.args.seed, "run_id": self.run.run_id,
+                 "config": self.args.to_dict(), "checksum": checksum,
                  "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {}), "learning": self._watch.record(checksum)}
         save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
 

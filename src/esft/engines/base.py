@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -82,6 +83,18 @@ def master_checksum(named_tensors) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()
+
+
+@contextmanager
+def perturbed(engine: Any, member_seed: int, sigma: float):
+    """`with perturbed(engine, seed, σ):` the engine holds θ + σ·ε(seed) inside, its master θ again after,
+    however the block ends: the one perturb → restore of every caller (members one at a time, the sigma
+    scan, RandOpt's members, population batching's self-check)."""
+    engine.perturb(member_seed, sigma)
+    try:
+        yield engine
+    finally:
+        engine.restore()
 
 
 def check_coefficients(coefficients: Sequence[float]) -> None:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.base import Generation, PopulationEngine, generation_from_tokens
+from esft.engines.base import Generation, PopulationEngine, generation_from_tokens, perturbed
 from esft.engines.member_rows import MemberRows, PopulationBatchingError, add_rows, member_linear
 from esft.engines.shared_product import SharedProduct, input_groups, standard_strides
 from esft.es.lowrank import stacked_factors
@@ -345,11 +345,8 @@ def _batched_against_sequential(engine, seeds: Sequence[int], sigma: float) -> t
     base = model(input_ids=ids).logits.float()
     sequential = []
     for seed in seeds:
-        engine.perturb(seed, sigma)
-        try:
+        with perturbed(engine, seed, sigma):
             sequential.append(model(input_ids=ids).logits.float())
-        finally:
-            engine.restore()
     expected = torch.cat(sequential)
     with _population_class(engine)(engine, seeds, sigma):
         batched = model(input_ids=ids.repeat(len(seeds), 1)).logits.float()

@@ -13,7 +13,7 @@ from typing import Any
 from esft.console import say
 from esft.es.batches import PromptBatch
 from esft.settings.config import ConfigError
-from esft.engines.base import Engine, Generation, Sampling, optional
+from esft.engines.base import Engine, Generation, Sampling, optional, perturbed
 from esft.engines.registry import engine_spec
 from esft.rewards.runner import Scores
 
@@ -89,11 +89,8 @@ class LocalExecutor:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
             pending = []
             for seed in member_seeds:
-                self.engine.perturb(seed, sigma)
-                try:
+                with perturbed(self.engine, seed, sigma):
                     generation = self.engine.generate(prompts)
-                finally:
-                    self.engine.restore()
                 pending.append((seed, generation, pool.submit(self.scorer, rows, generation.texts, generation.token_ids)))
                 if not self.overlap_rewards:
                     pending[-1][2].result()

@@ -159,6 +159,6 @@ class GRPOBaseline(ESTrainer):
             files = TRLCheckpointFiles(self.run_dir / STAGING_DIR / f"checkpoint-{self._trl.state.global_step}", move=True)
         else:
             files = TRLCheckpointFiles(self.run.resume.checkpoint / TRL_DIR, move=False)
-        state = {"iteration": self.state.iteration, "seed": self.args.seed, "config": self.args.to_dict(),
-                 "checksum": self.engine.checksum(), "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
+        state = {"iteration": self.state.iteration, "seed": self.args.seed, "run_id": self.run.run_id,
+                 "config": self.args.to_dict(), "checksum": self.engine.checksum(), "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
         save_checkpoint(files, directory, state, save_master=False)

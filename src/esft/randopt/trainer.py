@@ -18,7 +18,7 @@ from typing import Any
 
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
-from esft.engines.base import Generation, Sampling
+from esft.engines.base import Generation, Sampling, perturbed
 from esft.es import strategy
 from esft.es.batches import PromptBatch
 from esft.loop.iteration_metrics import budget_spent, iteration_row
@@ -115,11 +115,8 @@ class RandOptTrainer(ESTrainer):
                 return generate_population(self.engine, list(prompts), seeds, sigma, mini_batch_size)
         generations = []
         for seed in seeds:
-            self.engine.perturb(seed, sigma)
-            try:
+            with perturbed(self.engine, seed, sigma):
                 generations.append(self.engine.generate(prompts, mini_batch_size=mini_batch_size, sampling=sampling))
-            finally:
-                self.engine.restore()
         return generations
 
     def _validation_reward(self) -> tuple[float, int, int]:

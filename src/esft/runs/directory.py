@@ -40,6 +40,9 @@ from esft.runs.signature import signed_by_user, signed_yaml, yaml_signature
 
 LOCK_FILE = ".esft.lock"
 CONFIG_FILE = "config.yaml"
+RUN_ID_PREFIX = "# esft-run: "
+"""config.yaml's line naming the run: a random id given when the run is claimed, kept on resume and
+written into every checkpoint (`run_id`), so a checkpoint copied from another run is told apart."""
 RUN_MARKERS = (CONFIG_FILE, METRICS_FILE, "final", "final-merged")
 """Entries that mean a directory already holds a run (besides checkpoints)."""
 _EVAL_DIR = re.compile(r"^iteration-(\d+)$")
@@ -66,6 +69,8 @@ class ResumePoint:
     seen: tuple | None = None
     """What the run directory held when the point was read (its_contents): open_run compares it again
     once it holds the lock, so a run another process was still writing is refused, never set aside."""
+    run_id: str | None = None
+    """The run the checkpoint was written by (None: before run ids, or no checkpoint)."""
 
 
 def find_resume_point(path: str | Path) -> ResumePoint:
@@ -79,7 +84,8 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         seen = its_contents(path.parent)
         state = read_state(path)
         return ResumePoint(path.parent, path, state["iteration"], state["config"],
-                           signed=signed_by_user(state["config"], state.get("settings_signature")), seen=seen)
+                           signed=signed_by_user(state["config"], state.get("settings_signature")), seen=seen,
+                           run_id=state.get("run_id"))
     if not path.is_dir():
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory")
     seen = its_contents(path)
@@ -91,7 +97,8 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         if problem is None:
             state = read_state(checkpoint)
             return ResumePoint(path, checkpoint, state["iteration"], state["config"], skipped,
-                               signed_by_user(state["config"], state.get("settings_signature")), seen)
+                               signed_by_user(state["config"], state.get("settings_signature")), seen,
+                               state.get("run_id"))
         skipped.append(problem)
     if skipped:
         raise ResumeError(f"no checkpoint of {path} is intact ({'; '.join(skipped)})")
@@ -100,6 +107,16 @@ def find_resume_point(path: str | Path) -> ResumePoint:
     config = read_run_yaml(path / CONFIG_FILE)
     signature = yaml_signature(read_regular_text(path / CONFIG_FILE, SETTINGS_LIMIT))
     return ResumePoint(path, None, 0, config, signed=signed_by_user(config, signature), seen=seen)
+
+
+def run_id_of(path: Path) -> str | None:
+    """The run id in a run directory's config.yaml (RUN_ID_PREFIX), or None (no config.yaml, or a run from
+    before run ids)."""
+    try:
+        text = read_regular_text(path / CONFIG_FILE, SETTINGS_LIMIT)
+    except (OSError, ValueError):
+        return None
+    return next((line[len(RUN_ID_PREFIX):].strip() for line in text.splitlines() if line.startswith(RUN_ID_PREFIX)), None)
 
 
 def its_contents(path: Path) -> tuple:
@@ -139,9 +156,12 @@ def default_run_name(args: ESConfig) -> str:
 class RunDir:
     """A run directory this process holds (the lock is released by close() or when the process ends)."""
 
-    def __init__(self, path: Path, lock_fd: int, resume: ResumePoint | None = None, created: Path | None = None):
+    def __init__(self, path: Path, lock_fd: int, resume: ResumePoint | None = None, created: Path | None = None,
+                 run_id: str | None = None):
         self.path = path
         self.resume = resume
+        self.run_id = run_id or secrets.token_hex(8)
+        """This run's id (RUN_ID_PREFIX): config.yaml and every checkpoint carry it."""
         self._lock_fd: int | None = lock_fd
         self._created = created
         """The outermost directory open_run created for this run (removed again if setup fails)."""
@@ -156,7 +176,8 @@ class RunDir:
 
         settings = {**args.to_dict(), "output_dir": str(self.path.parent), "run_name": self.path.name, "resume": None}
         body = yaml.safe_dump(settings, sort_keys=False, allow_unicode=True)
-        write_text_atomic(self.path / CONFIG_FILE, signed_yaml(settings, body))  # esft.runs.signature
+        text = signed_yaml(settings, body) + f"{RUN_ID_PREFIX}{self.run_id}\n"  # signature: esft.runs.signature
+        write_text_atomic(self.path / CONFIG_FILE, text)
 
     def discard_if_unused(self) -> None:
         """Remove a new run directory nothing was written to (setup failed), and release it."""
@@ -222,12 +243,17 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
             if resume.seen is not None and its_contents(path) != resume.seen:  # read, then written by another process
                 raise ConfigError("resume", f"{path} changed while esft read it (another esft process was still "
                                   "writing it and has just let go of it); nothing was moved: run the command again")
+            own = run_id_of(path)
+            if resume.run_id is not None and own is not None and resume.run_id != own:
+                raise ConfigError("resume", f"{resume.checkpoint} was written by another run (run {resume.run_id}; "
+                                  f"{path / CONFIG_FILE} is run {own}): resume the directory that run wrote, or copy a "
+                                  "whole run directory, never a checkpoint into another run; nothing was moved")
             _remove_stale_temporaries(path)
             _set_aside_later(path, resume)
         except BaseException:
             os.close(fd)
             raise
-        return RunDir(path, fd, resume)
+        return RunDir(path, fd, resume, run_id=own)
     output_dir = Path(args.output_dir).expanduser()
     for _ in range(5):
         path = output_dir / (args.run_name or default_run_name(args))
