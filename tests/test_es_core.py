@@ -260,3 +260,16 @@ def test_perturbation_changes_completions_and_restore_brings_them_back(tiny_mode
         engine.restore()
     assert changed >= 1
     assert engine.generate(PROMPTS) == base
+
+
+def test_the_update_follows_the_engines_noise_and_rank_as_they_are_now(tiny_model_dir):
+    """benchmarks/throughput.py switches a built engine's --noise and --rank between its paths: the update
+    (esft.es.update) must take them as they are then, not as the engine was built (398fba3 cached them)."""
+    switched = load_engine(tiny_model_dir, noise="iid")
+    switched.noise, switched.rank = "lowrank", 2
+    built = load_engine(tiny_model_dir, noise="lowrank", rank=2)
+    stayed = load_engine(tiny_model_dir, noise="iid")
+    for engine in (switched, built, stayed):
+        engine.update([1, 2], [0.3, -0.2])
+    assert switched.checksum() == built.checksum() != stayed.checksum()
+    assert switched.last_update_ratio == built.last_update_ratio > 0

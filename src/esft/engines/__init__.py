@@ -52,12 +52,12 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
     options = dict(trainable=args.trainable, noise=args.noise, max_tokens=args.max_tokens, mini_batch_size=args.mini_batch_size,
                    optimizer=optimizer_spec(args))
     if model is not None and not isinstance(model, str):
-        if spec.wrapper() is None:
+        if (wrap := spec.wrapper()) is None:
             raise ConfigError("engine", f"{args.engine} loads the model itself: pass a model name or directory, not a loaded model")
         if tokenizer is None:
             raise ConfigError("model", "a loaded model needs its tokenizer: pass processing_class=tokenizer")
         try:
-            return spec.wrapper()(args, model, tokenizer, options)
+            return wrap(args, model, tokenizer, options)
         except NoTrainableParameters as error:
             raise ConfigError("trainable", str(error)) from None
     path = model_path(args, model)

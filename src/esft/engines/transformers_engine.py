@@ -78,7 +78,10 @@ class TransformersEngine:
         self._scratch = {name: flat[: m.numel()].view(m.shape) for name, m in self.master.items()}
         self.optimizer = ESOptimizer(**(optimizer or {}))
         """How G moves the master (--optimizer: esft.es.optimizers.optimizer_spec); adam's state beside the master."""
-        self._update_rule = UpdateRule(noise, rank, self.optimizer, self._generator, flat, self.device)
+        self._noise_buffer = flat
+        self._update_tensors = [  # the master's tensors, updated in place
+            UpdateTensor(index, tuple(param.shape), [Piece(name, self.master[name], name, param.dtype)])
+            for index, name, param in self.trainable]
         self.last_update_ratio: float | None = None
         """‖Δθ‖/‖θ‖ of the last update (the trainable float32 master; None before the first)."""
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
@@ -170,15 +173,15 @@ class TransformersEngine:
         (exact in float32; in bfloat16/float16 the master then holds θ's rounded values) and adam's state
         as it was."""
         check_coefficients(coefficients)
-        tensors = [UpdateTensor(index, tuple(param.shape), [Piece(name, self.master[name], name, param.dtype)])
-                   for index, name, param in self.trainable]
         stepped = [(name, param) for _, name, param in self.trainable if perturbs(self.noise, param.shape)]
 
         def put_back() -> None:
             for name, param in stepped:
                 self.master[name].copy_(param)
 
-        result = apply_update(tensors, member_seeds, coefficients, self._update_rule, learning_rate, put_back)
+        # the rule from the engine's noise and rank now (benchmarks switch them on a built engine)
+        rule = UpdateRule(self.noise, self.rank, self.optimizer, self._generator, self._noise_buffer, self.device)
+        result = apply_update(self._update_tensors, member_seeds, coefficients, rule, learning_rate, put_back)
         if result.bad:
             raise NonFiniteWeights(f"the update would make {len(result.bad)} tensor(s) non-finite "
                                    f"({', '.join(result.bad[:3])}) (weights unchanged)")

@@ -43,7 +43,7 @@ from esft.engines.vllm_adapters import AdapterWorker, LoRAESWorker, lora_unwrapp
 from esft.es import lowrank
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 from esft.es.optimizers import AdamState, ESOptimizer
-from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update
+from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update, gathered
 
 # ------------------------------------------------------------ CPU GEMM dispatch
 _PACKED_LAYERS: list[torch.nn.Module] = []
@@ -231,6 +231,10 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
         self._esft_out = torch.empty(largest, dtype=torch.float32, device=self._esft_device)
         self._esft_rule = UpdateRule(noise, int(rank), self._esft_optimizer, self._esft_generator, self._esft_scratch,
                                      self._esft_device)
+        # each HF tensor's pieces: views of the master just built (updated in place, never replaced)
+        self._esft_tensors = [UpdateTensor(index, tuple(shape), [
+            Piece(f"{index}/{number}", self._esft_master[name][vslices], name, self._esft_params[name].dtype, hslices)
+            for number, (name, vslices, hslices) in enumerate(blocks)]) for index, shape, blocks in self._esft_trainable]
         return sum(
             torch.Size(shape).numel() for _, shape, _ in self._esft_trainable
         )
@@ -264,20 +268,12 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
                 self._esft_params[name].data[vslices].copy_(out)
         self._esft_repack(self._esft_master)
 
-    def _esft_hf_master(self, shape, blocks) -> torch.Tensor:
-        """The HF-shaped float32 master of one tensor (elements of other ranks: 0). Low-rank
-        arithmetic is elementwise in the master, so each rank's elements come out exact."""
-        whole = torch.zeros(shape, dtype=torch.float32, device=self._esft_device)
-        for name, vslices, hslices in blocks:
-            whole[hslices] = self._esft_master[name][vslices]
-        return whole
-
     def _esft_perturb_lowrank(self, seed: int, sigma: float) -> None:
         """θ ← master + σ·A·Bᵀ/√r per matrix (esft.es.lowrank.perturbed_matrix); other tensors frozen."""
-        for index, shape, blocks in self._esft_trainable:
-            if perturbs(self._esft_scheme, shape):
-                whole = lowrank.perturbed_matrix(self._esft_hf_master(shape, blocks), seed, index, sigma,
-                                                 self._esft_rank, self._esft_generator)
+        for tensor, (_, _, blocks) in zip(self._esft_tensors, self._esft_trainable):
+            if perturbs(self._esft_scheme, tensor.shape):  # the HF-shaped master (other ranks' elements 0: elementwise)
+                whole = lowrank.perturbed_matrix(gathered(tensor), seed, tensor.index, sigma, self._esft_rank,
+                                                 self._esft_generator)
                 for name, vslices, hslices in blocks:
                     self._esft_params[name].data[vslices].copy_(whole[hslices])
         self._esft_repack(self._esft_master)
@@ -298,15 +294,11 @@ class ESWorkerExtension(AdapterWorker, LoRAESWorker):
         tensor would not be finite, θ is left alone, the master is put back from it, the optimizer's state
         is put back, and the names of the offending vLLM tensors are returned. Returns (those names,
         ‖Δθ‖², ‖θ‖² of this rank's blocks)."""
-        tensors = [UpdateTensor(index, tuple(shape), [
-            Piece(f"{index}/{number}", self._esft_master[name][vslices], name, self._esft_params[name].dtype, hslices)
-            for number, (name, vslices, hslices) in enumerate(blocks)]) for index, shape, blocks in self._esft_trainable]
-
         def put_back() -> None:  # θ still holds the weights from before this update
             for name, master in self._esft_master.items():
                 master.copy_(self._esft_params[name].data)
 
-        result = apply_update(tensors, seeds, coefficients, self._esft_rule, learning_rate, put_back)
+        result = apply_update(self._esft_tensors, seeds, coefficients, self._esft_rule, learning_rate, put_back)
         if not result.bad:
             self.esft_restore()
         return result.bad, result.moved_sq, result.weights_sq

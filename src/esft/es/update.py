@@ -126,7 +126,7 @@ def _step(tensor: UpdateTensor, member_seeds, coefficients, rule: UpdateRule, le
     """One tensor's G and step (apply_update)."""
     shape, index, optimizer = torch.Size(tensor.shape), tensor.index, rule.optimizer
     if rule.noise in LOW_RANK_SCHEMES and optimizer.plain:  # the paper's rule: one addmm into the master
-        whole = _gathered(tensor)
+        whole = gathered(tensor)
         lowrank.accumulate_update(whole, index, member_seeds, coefficients, rule.rank, rule.generator)
         _scatter(tensor, whole)
         return
@@ -144,10 +144,10 @@ def _step(tensor: UpdateTensor, member_seeds, coefficients, rule: UpdateRule, le
         optimizer.step(piece.key, piece.master, gradient, learning_rate)
 
 
-def _gathered(tensor: UpdateTensor) -> torch.Tensor:
-    """The HF-shaped float32 master of a tensor: the piece itself when it is the whole tensor, else a copy
-    assembled from the pieces (elements other vLLM ranks hold: 0; the arithmetic is elementwise in the
-    master, so each piece's elements come out exact)."""
+def gathered(tensor: UpdateTensor) -> torch.Tensor:
+    """The HF-shaped float32 master of a tensor (the update's, and a vLLM worker's low-rank perturbation): the
+    piece itself when it is the whole tensor, else a copy assembled from the pieces (elements other vLLM ranks
+    hold: 0; the arithmetic is elementwise in the master, so each piece's elements come out exact)."""
     if len(tensor.pieces) == 1 and tensor.pieces[0].where is None:
         return tensor.pieces[0].master
     whole = torch.zeros(tensor.shape, dtype=torch.float32, device=tensor.pieces[0].master.device)

@@ -18,6 +18,7 @@ from esft.settings.rules import (
     EMBEDDED_MODEL,
     es_only,
     only_for,
+    randopt_unused,
     ConfigError,
     check,
     is_adapter_dir,
@@ -173,5 +174,5 @@ GRPO_ONLY = only_for(ESConfig, "grpo")
 """The "GRPO (TRL)" settings (TRL's names), meaningless to --algorithm es and randopt."""
 RANDOPT_OWN = only_for(ESConfig, "randopt")
 """The settings only --algorithm randopt uses."""
-RANDOPT_UNUSED = only_for(ESConfig, "es") + only_for(ESConfig, "es", "grpo")
+RANDOPT_UNUSED = randopt_unused(ESConfig)
 """ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""

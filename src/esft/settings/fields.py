@@ -37,10 +37,6 @@ def _in(group: str, text: str, repeatable: bool = False, algorithms: tuple[str, 
     return field(metadata={"help": text, "group": group, "repeatable": repeatable, "algorithms": algorithms}, **kwargs)
 
 
-def applies_to(f, algorithm: str) -> bool:
-    """Whether ESConfig field `f` means anything under --algorithm `algorithm`."""
-    return algorithm in f.metadata.get("algorithms", ALGORITHMS)
-
 
 @dataclass
 class RunFields:

@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from esft.settings.fields import _in
-from esft.settings.rules import ConfigError, only_for
+from esft.settings.rules import ConfigError, only_for, randopt_unused
 from esft.settings.variants import VariantFields
 
 @dataclass
@@ -40,7 +40,7 @@ def check_randopt(config) -> None:
                 raise ConfigError(name, f"is a setting of --algorithm randopt, which this run does not use "
                                   f"(--algorithm {config.algorithm}); add --algorithm randopt or drop it")
         return
-    for name in only_for(config, "es") + only_for(config, "es", "grpo"):  # the update's: RandOpt has none
+    for name in randopt_unused(config):
         if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]):
             instead = "; its members are scored on --validation-size rows" if name == "batch_size" else ""
             raise ConfigError(name, f"is a setting of the ES update, which --algorithm randopt (no update: N members "

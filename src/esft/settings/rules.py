@@ -208,6 +208,11 @@ def only_for(config, *algorithms: str) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(config) if set(f.metadata.get("algorithms", ())) == set(algorithms))
 
 
+def randopt_unused(config) -> tuple[str, ...]:
+    """ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""
+    return only_for(config, "es") + only_for(config, "es", "grpo")
+
+
 def es_only(config) -> tuple[str, ...]:
     """Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
     return tuple(f.name for f in dataclasses.fields(config) if applies(f, "es") and not applies(f, "grpo"))
