@@ -10,7 +10,7 @@ batches (10% of members: a timed-out reward call fails a member's batch).
 Each member's batch is scored by esft's own reward runner (esft.rewards.runner.RewardRunner, a reward
 function returning NaN for a failed sample, as a real failure is recorded), and the update
 coefficients come from esft's own code: esft.loop.member_fitness.fitness_of
-under each policy, then esft.es.strategy.tell with each --reward-shaping. Printed per scenario:
+under each policy, then the paper strategy's tell (esft.es.strategies) with each --reward-shaping. Printed per scenario:
 the cosine between the coefficient vector with failures and the failure-free one (= the cosine of
 the updates Σ cᵢ·εᵢ, the εᵢ of a model with millions of weights being orthogonal), median and 10th to
 90th percentile over seeds; how often omit is the closer one; and the cosine with the hidden
@@ -30,7 +30,7 @@ import time
 
 import numpy as np
 
-from esft.es import strategy
+from esft.es.strategies.paper import STRATEGY as PAPER
 from esft.es.fitness import FAILED_SAMPLES
 from esft.loop.member_fitness import fitness_of
 from esft.rewards.runner import RewardRunner, Scores
@@ -75,7 +75,7 @@ def scored(runner: RewardRunner, values: np.ndarray, failed: np.ndarray | None) 
 
 def coefficients(batches: list[Scores], shaping: str, policy: str) -> np.ndarray:
     """The update coefficients esft computes for these members' scored batches."""
-    _, coefficients = strategy.tell(strategy.init(0), fitness_of(batches, policy), 1.0, shaping)
+    _, coefficients = PAPER.tell(PAPER.init(0), fitness_of(batches, policy), 1.0, shaping)
     return np.asarray(coefficients)
 
 

@@ -88,7 +88,8 @@ def measure(args, size: int, task, after_round=None, deadline: float | None = No
     first timed round always run."""
     import torch
 
-    from esft.es import strategy
+    from esft.es.strategies.base import ESState
+    from esft.es.strategies.paper import STRATEGY as PAPER
     from esft.es.batches import prompt_batch
 
     runners, described = build_runners(args, args.paths)
@@ -110,7 +111,7 @@ def measure(args, size: int, task, after_round=None, deadline: float | None = No
             # The batched paths warm up at the full population (their call shapes depend on N); the
             # one-member-at-a-time paths see the same shapes with 2 members, at a fifteenth of the cost.
             warm_members = 2 if name in ("reference", "sequential") else args.population
-            seeds = strategy.ask(strategy.ESState(0, round_), args.population if round_ else warm_members)
+            seeds = PAPER.ask(ESState(0, round_), args.population if round_ else warm_members)
             if name not in rows:
                 rows[name] = rows_per_call(name, runner, list(batch.prompts), args.population)
             if cuda:

@@ -57,7 +57,8 @@ def main() -> None:
 
     import torch
 
-    from esft.es import strategy
+    from esft.es.strategies.base import ESState
+    from esft.es.strategies.paper import STRATEGY as PAPER
     from esft.es.batches import prompt_batch
     from esft.executors import LocalExecutor
     from esft.rewards.runner import RewardRunner
@@ -79,11 +80,11 @@ def main() -> None:
             engine.noise, engine.mini_batch_size = noise, args.batched_mini_batch_size if batched else None
             sigma = args.sigma_lora if lora else args.sigma_full
             executor = LocalExecutor(engine, rewards.score, sigma, population_batching=batched, overlap_rewards=False)
-            state = strategy.ESState(0, round_index)
+            state = ESState(0, round_index)
             wall, cpu = time.perf_counter(), time.process_time()
-            seeds = strategy.ask(state, args.population)
+            seeds = PAPER.ask(state, args.population)
             members = executor.evaluate_population(seeds, batch)
-            _, coefficients = strategy.tell(state, [m.reward for m in members], sigma / 2)
+            _, coefficients = PAPER.tell(state, [m.reward for m in members], sigma / 2)
             executor.update(seeds, coefficients)
             results[label].append((time.process_time() - cpu, time.perf_counter() - wall, sum(m.num_tokens for m in members)))
     lengths = "natural lengths" if args.natural_lengths else f"forced {args.max_tokens}-token completions"

@@ -18,7 +18,8 @@ import argparse
 
 import torch
 
-from esft.es import strategy
+from esft.es.strategies.base import ESState
+from esft.es.strategies.paper import STRATEGY as PAPER
 from esft.es.batches import prompt_batch
 from esft.settings.config import embedded_model_path
 from esft.engines.population import generate_population
@@ -41,7 +42,7 @@ def main() -> None:
     differing_total = 0
     for iteration in range(args.iterations):
         prompts = prompt_batch(task.train_dataset, 0, args.prompts, iteration).prompts
-        seeds = strategy.ask(strategy.ESState(0, iteration), args.population)
+        seeds = PAPER.ask(ESState(0, iteration), args.population)
         sequential = []
         for seed in seeds:
             engine.perturb(seed, 1e-3)

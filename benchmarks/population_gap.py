@@ -103,7 +103,8 @@ def main() -> None:
     from esft.allocator import steady_allocator
     from esft.engines.population import check_population_batching, generate_population
     from esft.engines.transformers_engine import TransformersEngine
-    from esft.es import strategy
+    from esft.es.strategies.base import ESState
+    from esft.es.strategies.paper import STRATEGY as PAPER
     from esft.es.batches import prompt_batch
     from esft.tasks.countdown_task import make_countdown_task
 
@@ -111,7 +112,7 @@ def main() -> None:
     model, tokenizer, description = build_model(args.model, scratch_directory("esft-gap-"))
     engine = TransformersEngine(model, tokenizer, noise="lowrank", rank=1, max_tokens=args.max_tokens)
     prompts = prompt_batch(make_countdown_task(seed=0, difficulty="easy").train_dataset, 0, args.batch, 0).prompts
-    seeds = strategy.ask(strategy.ESState(0, 0), args.population)
+    seeds = PAPER.ask(ESState(0, 0), args.population)
     per_call = max(1, args.rows // args.population)  # prompts per population call
     check_population_batching(engine)
     engine.generate(prompts[:1])  # warm-up

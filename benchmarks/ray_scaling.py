@@ -62,7 +62,8 @@ def main() -> None:
 
     import ray
 
-    from esft.es import strategy
+    from esft.es.strategies.base import ESState
+    from esft.es.strategies.paper import STRATEGY as PAPER
     from esft.settings.config import ESConfig
     from esft.executors.ray_executor import RayExecutor
     from esft.tasks.base import Task
@@ -86,11 +87,11 @@ def main() -> None:
             elapsed, evaluating = [], []
             for iteration in range(args.iterations + 1):
                 started = time.perf_counter()
-                state = strategy.ESState(0, iteration)
-                seeds = strategy.ask(state, args.population)
+                state = ESState(0, iteration)
+                seeds = PAPER.ask(state, args.population)
                 members = executor.evaluate_population(seeds, prompt_batch(task.train_dataset, 0, args.batch, iteration))
                 evaluated = time.perf_counter() - started
-                _, coefficients = strategy.tell(state, [m.reward for m in members], config.alpha)
+                _, coefficients = PAPER.tell(state, [m.reward for m in members], config.alpha)
                 executor.update(seeds, coefficients)
                 if iteration:  # the first one warms up
                     elapsed.append(time.perf_counter() - started)

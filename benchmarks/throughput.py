@@ -158,16 +158,17 @@ class Bench:
     def iteration(self, path: str, iteration: int) -> dict:
         import numpy as np
 
-        from esft.es import strategy
+        from esft.es.strategies.base import ESState
+        from esft.es.strategies.paper import STRATEGY as PAPER
 
         self.configure(path)
         self.timings.clear()
-        state = strategy.ESState(0, iteration)
+        state = ESState(0, iteration)
         started = now()
-        seeds = strategy.ask(state, self.args.population)
+        seeds = PAPER.ask(state, self.args.population)
         members = self.executor.evaluate_population(seeds, self.batch)
         evaluated = now()
-        _, coefficients = strategy.tell(state, [m.reward for m in members], self.args.sigma / 2)
+        _, coefficients = PAPER.tell(state, [m.reward for m in members], self.args.sigma / 2)
         self.executor.update(seeds, coefficients)
         finished = now()
         self.engine.load_master_state(self.initial_weights)  # untimed: the next round measures the same work

@@ -157,10 +157,11 @@ class EsftPath:
         self.initial = self.engine.master_state()
 
     def iteration(self, seeds, batch) -> list[float]:
-        from esft.es import strategy
+        from esft.es.strategies.base import ESState
+        from esft.es.strategies.paper import STRATEGY as PAPER
 
         members = self.executor.evaluate_population(seeds, batch)
-        _, coefficients = strategy.tell(strategy.ESState(0, 0), [m.reward for m in members], self.alpha)
+        _, coefficients = PAPER.tell(ESState(0, 0), [m.reward for m in members], self.alpha)
         self.executor.update(seeds, coefficients)
         return [m.reward for m in members]
 
@@ -204,7 +205,9 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     import numpy as np
     import torch
 
-    from esft.es import strategy
+    from esft.es.strategies.base import ESState
+
+    from esft.es.strategies.paper import STRATEGY as PAPER
     from esft.es.batches import prompt_batch
     from esft.tasks.countdown import countdown_reward
 
@@ -214,7 +217,7 @@ def measure_rounds(args, task, paths, size: int, rounds: int, warm_up: bool):
     faults: dict[str, list[float]] = {name: [] for name in paths}  # minor page faults: fresh memory touched
     each: dict[str, list[list[float]]] = {name: [] for name in paths}  # every measurement, for --raw-json
     tokens: dict[str, float] = {}
-    seeds = strategy.ask(strategy.ESState(0, 0), args.population)  # the same work every round
+    seeds = PAPER.ask(ESState(0, 0), args.population)  # the same work every round
     batch = prompt_batch(task.train_dataset, 0, size, 0)
 
     def run(name):

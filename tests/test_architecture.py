@@ -22,7 +22,7 @@ MAX_LINES = 600
 # A key is a package (every module in it) or one module; imports inside the key itself are allowed.
 FORBIDDEN = {
     "esft.es": ("esft.",),  # the ES math needs nothing else of esft
-    "esft.es.strategy": ("esft.",),  # ask/tell is pure: not even the noise (ALLOWED: fitness and its shaping)
+    "esft.es.strategies": ("esft.",),  # ask/tell is pure: not even the noise (ALLOWED: fitness and its shaping)
     "esft.es.fitness": ("esft.",),  # fitness as data: numpy only
     "esft.es.shaping": ("esft.",),  # the shaping registry reads a Fitness, nothing else (ALLOWED)
     "esft.es.noise": ("esft.",),  # but for ALLOWED's mirror helper
@@ -66,14 +66,14 @@ FORBIDDEN = {
 }
 
 ALLOWED = {
-    "esft.es.noise": ("esft.es.strategy",),
-    "esft.es.strategy": ("esft.es.fitness", "esft.es.shaping"),
+    "esft.es.noise": ("esft.es.strategies.antithetic",),
+    "esft.es.strategies": ("esft.es.fitness", "esft.es.shaping"),
     "esft.es.shaping": ("esft.es.fitness",),
     "esft.settings": ("esft.es.fitness", "esft.es.noise", "esft.es.optimizers", "esft.es.shaping",
-                      "esft.engines.registry"),
+                      "esft.es.strategies", "esft.engines.registry"),
     "esft.rewards": ("esft.es.fitness",),
 }
-"""Exceptions to FORBIDDEN: a negative member seed is a mirrored one (strategy.mirror), and the noise
+"""Exceptions to FORBIDDEN: a negative member seed is a mirrored one (strategies.antithetic.mirror), and the noise
 must know how to undo it; tell shapes a Fitness with the shaping registry; the settings' ES choices are
 esft.es's registries (one list of each) and the engines' what esft.engines.registry says of each; a Scores'
 mean is fitness's mean. All of these are pure."""

@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from esft.es import strategy
 from esft.es.fitness import FAILED_SAMPLES, Fitness, same_prompts
 from esft.es.shaping import REWARD_SHAPING
-from esft.settings.config import ESConfig
+from esft.es.strategies import STRATEGIES
+from esft.es.strategies.base import SEED_RANGE, ESState, shaped_coefficients
+from esft.es.strategies.paper import STRATEGY as PAPER
+from esft.settings.config import ConfigError, ESConfig
 from esft.settings.rules import CHOICES
 
 HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(ESConfig)}
@@ -31,14 +33,14 @@ def weights(engine) -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------ strategy
 def test_member_seeds_depend_only_on_seed_and_iteration():
-    state = strategy.ESState(seed=7, iteration=3)
-    seeds = strategy.ask(state, 30)
-    assert seeds == strategy.ask(strategy.ESState(seed=7, iteration=3), 30)
-    assert len(set(seeds)) == 30 and all(0 <= s < strategy.SEED_RANGE for s in seeds)
-    assert seeds != strategy.ask(strategy.ESState(seed=7, iteration=4), 30)
-    assert seeds != strategy.ask(strategy.ESState(seed=8, iteration=3), 30)
+    state = ESState(seed=7, iteration=3)
+    seeds = PAPER.ask(state, 30)
+    assert seeds == PAPER.ask(ESState(seed=7, iteration=3), 30)
+    assert len(set(seeds)) == 30 and all(0 <= s < SEED_RANGE for s in seeds)
+    assert seeds != PAPER.ask(ESState(seed=7, iteration=4), 30)
+    assert seeds != PAPER.ask(ESState(seed=8, iteration=3), 30)
     # (seed, iteration) pairs do not collide the way seed + iteration would
-    assert strategy.ask(strategy.ESState(1, 0), 5) != strategy.ask(strategy.ESState(0, 1), 5)
+    assert PAPER.ask(ESState(1, 0), 5) != PAPER.ask(ESState(0, 1), 5)
 
 
 EXPECTED_SHAPING = {
@@ -75,7 +77,7 @@ def test_every_reward_shaping(shaping):
         np.testing.assert_allclose(shaped, expected, rtol=0, atol=1e-12)
     else:
         np.testing.assert_allclose(shaped, [-0.125, 0.5, -0.5, -0.125, 0.25])
-    state, coefficients = strategy.tell(strategy.ESState(0, 4), fitness, alpha=0.01, shaping=shaping)
+    state, coefficients = PAPER.tell(ESState(0, 4), fitness, alpha=0.01, shaping=shaping)
     assert state.iteration == 5
     np.testing.assert_allclose(coefficients, 0.01 / 5 * shaped, rtol=1e-12)
     # members scored on different prompts: a shaping that compares prompt by prompt refuses, the others
@@ -84,12 +86,58 @@ def test_every_reward_shaping(shaping):
     assert not apart.shared_prompts and fitness.shared_prompts
     if entry.needs_shared_prompts:
         with pytest.raises(ValueError, match="same prompts"):
-            strategy.tell(strategy.init(0), apart, alpha=0.01, shaping=shaping)
+            PAPER.tell(PAPER.init(0), apart, alpha=0.01, shaping=shaping)
         with pytest.raises(ValueError, match="same prompts"):  # only member fitness, no prompts
-            strategy.tell(strategy.init(0), member.tolist(), alpha=0.01, shaping=shaping)
+            PAPER.tell(PAPER.init(0), member.tolist(), alpha=0.01, shaping=shaping)
     else:
-        assert strategy.tell(strategy.init(0), apart, 0.01, shaping)[1] == coefficients
-        assert strategy.tell(strategy.init(0), member.tolist(), 0.01, shaping)[1] == coefficients
+        assert PAPER.tell(PAPER.init(0), apart, 0.01, shaping)[1] == coefficients
+        assert PAPER.tell(PAPER.init(0), member.tolist(), 0.01, shaping)[1] == coefficients
+
+
+EXPECTED_STRATEGIES = {
+    # name: (members that are mirrors of another, noise draws of the update for 6 members, odd N refused)
+    "paper": (0, 6, False),
+    "antithetic": (3, 3, True),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy(name):
+    """Every strategy of the registry (esft.es.strategies): seeds a function of (seed, iteration) alone, one
+    coefficient per member, the next state, and update_terms the same update tell described (Σ cᵢ·ε(sᵢ) over
+    the members equals it over the terms); each registry entry has its row here."""
+    assert name in EXPECTED_STRATEGIES, "new strategy: add its expectation here"
+    mirrors, draws, refuses_odd = EXPECTED_STRATEGIES[name]
+    entry = STRATEGIES[name]
+    assert entry.name == name and entry.summary and entry.summary in HELP["strategy"]
+    state = entry.init(7)
+    assert state == ESState(7, 0)
+    seeds = entry.ask(ESState(7, 3), 6)
+    assert len(seeds) == 6 and seeds == entry.ask(ESState(7, 3), 6) != entry.ask(ESState(7, 4), 6)
+    assert sum(seed < 0 for seed in seeds) == mirrors and entry.mirrored == (mirrors > 0)
+    assert (entry.population_problem(5) is not None) == refuses_odd and entry.population_problem(6) is None
+    fitness = Fitness.of_members([0.3, 1.1, -0.2, 0.3, 0.9, 0.0])
+    after, coefficients = entry.tell(ESState(7, 3), fitness, alpha=0.01, shaping="zscore")
+    assert after == ESState(7, 4) and len(coefficients) == 6
+    assert coefficients == shaped_coefficients(fitness, 0.01, "zscore")
+    terms = entry.update_terms(seeds, coefficients)
+    assert len(terms[0]) == len(terms[1]) == draws
+    update = lambda pairs: sum(c * draw_noise("iid", s, 0, (64,)).double()  # noqa: E731
+                               for s, c in zip(*pairs))
+    torch.testing.assert_close(update(terms), update((seeds, coefficients)), rtol=0, atol=1e-12)
+
+
+def test_the_strategy_choices_are_the_registry():
+    assert CHOICES["strategy"] is STRATEGIES and next(iter(STRATEGIES)) == "paper"
+    assert ESConfig(population_size=4).strategy == "paper"
+    # --antithetic, the spelling from before --strategy, is read into the strategy and never written
+    config = ESConfig(population_size=4, antithetic=True)
+    assert (config.strategy, config.antithetic, config.to_dict()["antithetic"]) == ("antithetic", None, None)
+    with pytest.raises(ConfigError, match=r"--population-size: --strategy antithetic pairs members \(θ ± σ·ε\), so N "
+                                          "must be even; got 5: use 6 or 4"):
+        ESConfig(population_size=5, strategy="antithetic")
+    with pytest.raises(ConfigError, match="strategy: must be one of paper, antithetic"):
+        ESConfig(strategy="eggroll")
 
 
 def test_the_shaping_choices_are_the_registry():
@@ -100,9 +148,9 @@ def test_the_shaping_choices_are_the_registry():
 def test_zscore_is_population_std_and_constant_rewards_give_zero_step():
     shaped = REWARD_SHAPING["zscore"](Fitness.of_members([1.0, 2.0, 3.0, 4.0]))
     np.testing.assert_allclose(shaped.std(), 1.0, atol=1e-6)
-    assert strategy.tell(strategy.init(0), [0.5] * 4, alpha=1.0)[1] == [0.0] * 4
+    assert PAPER.tell(PAPER.init(0), [0.5] * 4, alpha=1.0)[1] == [0.0] * 4
     with pytest.raises(ValueError, match="finite"):
-        strategy.tell(strategy.init(0), [0.5, float("nan")], alpha=1.0)
+        PAPER.tell(PAPER.init(0), [0.5, float("nan")], alpha=1.0)
 
 
 # --------------------------------------------------------------------- noise
@@ -141,9 +189,9 @@ def test_perturb_adds_sigma_times_regenerated_noise(tiny_model_dir):
 def test_update_matches_direct_computation(tiny_model_dir):
     engine = load_engine(tiny_model_dir)
     base = {name: t.double() for name, t in weights(engine).items()}
-    seeds = strategy.ask(strategy.init(3), 6)
+    seeds = PAPER.ask(PAPER.init(3), 6)
     rewards = [0.1, 0.9, 0.4, 0.4, 0.0, 1.1]
-    _, coefficients = strategy.tell(strategy.init(3), rewards, alpha=5e-4)
+    _, coefficients = PAPER.tell(PAPER.init(3), rewards, alpha=5e-4)
     engine.update(seeds, coefficients)
     z = (np.array(rewards) - np.mean(rewards)) / (np.std(rewards) + 1e-8)
     for index, name, param in engine.trainable:
@@ -161,7 +209,7 @@ def test_bfloat16_master_equals_float32_computation_after_100_updates(tiny_model
     start = {name: m.clone() for name, m in bf16.master.items()}
     rng = np.random.default_rng(0)
     for iteration in range(100):
-        seeds = strategy.ask(strategy.ESState(1, iteration), 4)
+        seeds = PAPER.ask(ESState(1, iteration), 4)
         coefficients = (rng.standard_normal(4) * 5e-4 / 4).tolist()
         bf16.update(seeds, coefficients)
         fp32.update(seeds, coefficients)

@@ -18,7 +18,10 @@ from safetensors.torch import load_file
 
 from esft.settings.config import ESConfig
 from esft.engines.transformers_engine import TransformersEngine
-from esft.es import schedules, strategy
+from esft.es import schedules
+from esft.es.strategies.antithetic import STRATEGY as ANTITHETIC, merge_mirrored, mirror
+from esft.es.strategies.base import SEED_RANGE, ESState
+from esft.es.strategies.paper import STRATEGY as PAPER
 from esft.es.batches import PromptBatch
 from esft.es.noise import draw_noise, lowrank_factors
 from esft.executors import LocalExecutor
@@ -46,14 +49,14 @@ def engine_of(path, noise: str, **kwargs) -> TransformersEngine:
 
 # ------------------------------------------------------------------ antithetic: seeds and noise
 def test_ask_pairs_each_seed_with_its_mirror():
-    seeds = strategy.ask(strategy.ESState(7, 3), 6, antithetic=True)
+    seeds = ANTITHETIC.ask(ESState(7, 3), 6)
     assert len(seeds) == 6 and seeds[1::2] == [~s for s in seeds[0::2]] == [-1 - s for s in seeds[0::2]]
-    assert all(0 <= s < strategy.SEED_RANGE for s in seeds[0::2]) and all(s < 0 for s in seeds[1::2])
-    assert strategy.mirror(strategy.mirror(12345)) == 12345
-    assert seeds == strategy.ask(strategy.ESState(7, 3), 6, antithetic=True)  # a function of (seed, iteration)
-    assert strategy.ask(strategy.ESState(7, 3), 6) == strategy.ask(strategy.ESState(7, 3), 6, antithetic=False)
+    assert all(0 <= s < SEED_RANGE for s in seeds[0::2]) and all(s < 0 for s in seeds[1::2])
+    assert mirror(mirror(12345)) == 12345
+    assert seeds == ANTITHETIC.ask(ESState(7, 3), 6)  # a function of (seed, iteration)
+    assert seeds[0::2] == PAPER.ask(ESState(7, 3), 3)  # the paper's draw of N/2 seeds, each then mirrored
     with pytest.raises(ValueError, match="even"):
-        strategy.ask(strategy.ESState(7, 3), 5, antithetic=True)
+        ANTITHETIC.ask(ESState(7, 3), 5)
 
 
 @pytest.mark.parametrize("noise", NOISES)
@@ -96,11 +99,11 @@ def test_a_mirrored_members_weights_are_master_minus_sigma_noise(tiny_model_dir,
 
 @pytest.mark.parametrize("noise", ["iid", "lowrank"])
 def test_the_update_of_a_pair_is_the_difference_of_its_coefficients_times_the_noise(tiny_model_dir, noise):
-    seeds = strategy.ask(strategy.init(3), 4, antithetic=True)
+    seeds = ANTITHETIC.ask(PAPER.init(3), 4)
     coefficients = [3e-3, -1e-3, 5e-4, 2e-3]
-    merged_seeds, merged = strategy.merge_mirrored(seeds, coefficients)
+    merged_seeds, merged = merge_mirrored(seeds, coefficients)
     assert merged_seeds == seeds[0::2] and merged == [3e-3 - -1e-3, 5e-4 - 2e-3]
-    assert strategy.merge_mirrored([5, 9], [0.1, 0.2]) == ([5, 9], [0.1, 0.2])  # one-sided seeds: unchanged
+    assert merge_mirrored([5, 9], [0.1, 0.2]) == ([5, 9], [0.1, 0.2])  # one-sided seeds: unchanged
     engine, unmerged = engine_of(tiny_model_dir, noise), engine_of(tiny_model_dir, noise)
     base = {name: tensor.double() for name, tensor in engine.master.items()}
     engine.update(merged_seeds, merged)
@@ -118,7 +121,7 @@ def test_the_update_of_a_pair_is_the_difference_of_its_coefficients_times_the_no
 @pytest.mark.parametrize("noise", ["iid", "lowrank"])
 def test_population_batching_evaluates_mirrored_members_as_one_at_a_time(lively_model_dir, noise):
     scorer = RewardRunner([byte_reward], sandbox=False).score
-    seeds = strategy.ask(strategy.init(1), 4, antithetic=True)
+    seeds = ANTITHETIC.ask(PAPER.init(1), 4)
     batch = PromptBatch(0, toy_rows(4))
     one = LocalExecutor(engine_of(lively_model_dir, noise), scorer, 1.0).evaluate_population(seeds, batch, SIGMA)
     two = LocalExecutor(engine_of(lively_model_dir, noise), scorer, 1.0, population_batching=True).evaluate_population(
@@ -155,14 +158,14 @@ def test_per_prompt_shaping_on_a_hand_made_reward_matrix():
     np.testing.assert_allclose(shaped, expected, rtol=1e-12)
     # constant columns give exactly 0, also where the mean of equal values is not exactly that value
     assert REWARD_SHAPING["per_prompt"](Fitness.of(np.full((3, 2), 0.1), same_prompts(3, 2))).tolist() == [0.0] * 3
-    _, coefficients = strategy.tell(strategy.init(0), fitness, alpha=0.4, shaping="per_prompt")
+    _, coefficients = PAPER.tell(PAPER.init(0), fitness, alpha=0.4, shaping="per_prompt")
     np.testing.assert_allclose(coefficients, 0.4 / 4 * np.array(expected), rtol=1e-12)
     with pytest.raises(ValueError, match="same prompts"):  # member fitness alone says nothing of the prompts
-        strategy.tell(strategy.init(0), fitness.member.tolist(), alpha=0.4, shaping="per_prompt")
+        PAPER.tell(PAPER.init(0), fitness.member.tolist(), alpha=0.4, shaping="per_prompt")
     # the same prompts in another order per member are not the same columns: refused, not mixed up
     shuffled = Fitness.of(matrix, np.array([[0, 1, 2], [0, 1, 2], [2, 1, 0], [0, 1, 2]]))
     with pytest.raises(ValueError, match="same prompts"):
-        strategy.tell(strategy.init(0), shuffled, alpha=0.4, shaping="per_prompt")
+        PAPER.tell(PAPER.init(0), shuffled, alpha=0.4, shaping="per_prompt")
 
 
 def test_reward_matrix_leaves_out_failed_and_unscored_samples_but_not_a_skipped_function():
@@ -270,7 +273,7 @@ def test_constant_schedules_log_sigma_and_alpha_every_iteration(lively_model_dir
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--antithetic", "--population-size", "5"], "--population-size: --antithetic pairs members"),
+    (["--antithetic", "--population-size", "5"], "--population-size: --strategy antithetic pairs members"),
     (["--algorithm", "grpo", "--antithetic"], "--antithetic: is an ES setting, which --algorithm grpo does not use"),
     (["--algorithm", "grpo", "--sigma-schedule", "cosine"], "--sigma-schedule: is an ES setting"),
     (["--algorithm", "grpo", "--reward-shaping", "per_prompt"], "--reward-shaping: is an ES setting"),

@@ -165,6 +165,11 @@ def test_signal_arithmetic_and_the_recommendation_rule():
     assert tied.tied and tied.identical and "σ = 0.001 is too small" in tied.cause(1e-3)
     assert "differ on 1 of 2 prompts" in iteration_signal([0.3, 0.3], [0.0, 0.0], [(1, 2), (1, 9)]).cause(1e-3)
     assert not iteration_signal([0.3, 0.4], [-1.0, 1.0], [(1,), (2,)]).tied
+    # rewards that differ, every coefficient zero (a strategy or shaping that gives no member weight): not a tie
+    # of the rewards, and not said as one
+    unweighted = iteration_signal([0.3, 0.4], [0.0, 0.0], [(1,), (2,)])
+    assert unweighted.tied and "rewards differ, but --strategy and --reward-shaping gave every member a zero" in \
+        unweighted.cause(1e-3)
     assert degenerate("") and degenerate(" \n") and degenerate("!!!!!!!!!!") and degenerate("ok \ufffd")
     assert not degenerate("6 * 3 = 18") and not degenerate("aaaa")
     steps = [Step(1e-4, 0.1, 0.01, 0.30, 0.0), Step(1e-3, 0.8, 0.20, 0.32, 0.0), Step(1e-2, 1.0, 0.25, 0.02, 0.9)]

@@ -168,11 +168,23 @@ def test_a_resumed_run_does_not_score_its_members_again(tiny_model_dir, tmp_path
     assert [row["iteration"] for row in rows] == [0, 1, 2] and rows[-1]["budget/completions"] == population
     resumed.close()
 
+    config = (tmp_path / "r" / "config.yaml").read_bytes()
     other = toy_trainer(tiny_model_dir, tmp_path, population_size=population, validation_size=1, sigma=0.1,
                         randopt_consolidate=False, resume=str(tmp_path / "r"))
     with pytest.raises(TaskError, match="sigma=0.05, this run has 0.1"):  # other members: never mixed in
         other.train()
     other.close()
+    assert (tmp_path / "r" / "config.yaml").read_bytes() == config  # refused: the run's settings are as they were
+    # a record written before --strategy says mirroring as antithetic: true/false, read as the strategy it names
+    path = tmp_path / "r" / "randopt.json"
+    record = json.loads(path.read_text())
+    assert record["settings"].pop("strategy") == "paper"
+    path.write_text(json.dumps(record | {"settings": record["settings"] | {"antithetic": True}}))
+    mirrored = toy_trainer(tiny_model_dir, tmp_path, population_size=population, validation_size=1,
+                           randopt_consolidate=False, resume=str(tmp_path / "r"))
+    with pytest.raises(TaskError, match="strategy='antithetic', this run has 'paper'"):
+        mirrored.train()
+    mirrored.close()
 
 
 def test_the_completion_budget_ends_the_scoring_at_the_member_it_allows(tiny_model_dir, tmp_path, one_torch_thread):

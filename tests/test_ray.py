@@ -17,7 +17,8 @@ ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray execu
 from safetensors.torch import load_file  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
-from esft.es import strategy  # noqa: E402
+from esft.es.strategies.base import ESState  # noqa: E402
+from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
@@ -64,11 +65,11 @@ def pool(ray_cluster, tiny_model_dir):
 def step(pool, iteration: int, before_update=None):
     """One ES iteration on both executors; returns (ray rewards, local rewards)."""
     executor, local, args, task = pool
-    seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+    seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
     rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
     ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
     theirs = [m.reward for m in local.evaluate_population(seeds, rows)]
-    _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), theirs, args.alpha)
+    _, coefficients = PAPER.tell(ESState(args.seed, iteration), theirs, args.alpha)
     if before_update is not None:
         before_update()
     executor.update(seeds, coefficients)
@@ -177,14 +178,14 @@ def test_population_batching_on_ray_shares_out_the_population_and_matches_local(
                                       scorer, args.sigma, population_batching=batched) for batched in (True, False)}
     try:
         for iteration in range(2):
-            seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+            seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
             rows = prompt_batch(toy_task().train_dataset, args.seed, args.batch_size, iteration)
             ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
             for local in locals_.values():
                 assert [m.reward for m in local.evaluate_population(seeds, rows)] == ours
             assert len(set(ours)) > 1
             assert [slot.members for slot in executor.slots] == [4, 4]  # one equal share per actor
-            _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), ours, args.alpha)
+            _, coefficients = PAPER.tell(ESState(args.seed, iteration), ours, args.alpha)
             executor.update(seeds, coefficients)
             for local in locals_.values():
                 local.update(seeds, coefficients)
@@ -230,7 +231,7 @@ def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
     try:
         local = LocalExecutor(TransformersEngine.from_pretrained(str(path), device="cpu", max_tokens=12),
                               lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
-        seeds = strategy.ask(strategy.ESState(0, 0), 4)
+        seeds = PAPER.ask(ESState(0, 0), 4)
         rows = prompt_batch(task.train_dataset, 0, args.batch_size, 0)
         ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
         assert ours == [m.reward for m in local.evaluate_population(seeds, rows)]
@@ -262,12 +263,12 @@ def test_adam_on_ray_matches_local_also_after_an_actor_is_replaced(ray_cluster, 
             if iteration == 2:
                 pid = executor.slots[1].identity[0]
                 os.kill(pid, signal.SIGKILL)
-            seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+            seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
             rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
             ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
             theirs = [m.reward for m in local.evaluate_population(seeds, rows)]
             assert ours == theirs
-            _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), theirs, 1.0)
+            _, coefficients = PAPER.tell(ESState(args.seed, iteration), theirs, 1.0)
             executor.update(seeds, coefficients, args.alpha)
             local.update(seeds, coefficients, args.alpha)
             assert executor.checksum() == local.engine.checksum()

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from esft.es import strategy
+from esft.es.strategies.paper import STRATEGY as PAPER
 from esft.es.batches import PromptBatch
 from esft.settings.config import ConfigError, ESConfig
 from esft.engines.fullrank_population import FullRankPopulation
@@ -106,9 +106,9 @@ def test_lowrank_perturb_is_master_plus_sigma_ab_and_restore_is_exact(model_dir,
 def test_lowrank_update_matches_direct_computation(model_dir):
     engine = load_engine(model_dir, rank=2)
     base = {name: m.double().clone() for name, m in engine.master.items()}
-    seeds = strategy.ask(strategy.init(3), 6)
+    seeds = PAPER.ask(PAPER.init(3), 6)
     rewards = [0.1, 0.9, 0.4, 0.4, 0.0, 1.1]
-    _, coefficients = strategy.tell(strategy.init(3), rewards, alpha=5e-4)
+    _, coefficients = PAPER.tell(PAPER.init(3), rewards, alpha=5e-4)
     engine.update(seeds, coefficients)
     z = (np.array(rewards) - np.mean(rewards)) / (np.std(rewards) + 1e-8)
     for index, name, param in engine.trainable:
@@ -281,7 +281,7 @@ def test_population_batching_executor_equals_sequential_executor(tmp_path, noise
     assert [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in one] == \
            [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in two]
     assert len({m.reward for m in one}) > 1
-    _, coefficients = strategy.tell(strategy.init(0), [m.reward for m in one], alpha=0.01)
+    _, coefficients = PAPER.tell(PAPER.init(0), [m.reward for m in one], alpha=0.01)
     sequential.update(SEEDS, coefficients)
     batched.update(SEEDS, coefficients)
     assert sequential.checksum() == batched.checksum()

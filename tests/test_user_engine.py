@@ -2,12 +2,13 @@
 Engine contract but holds no in-process model. Population batching then says why it cannot batch (one
 line, or a ConfigError when insisted on) instead of an AttributeError; RandOpt's vote with batching on
 (as under --executor ray, whose RayEngine holds no model either) generates member by member. And the one
-update of every engine: a non-finite step puts back the master and adam's state alike. And a shaping and
-an engine registered in a user's own file (tests/user_extensions.py), run with `esft train`."""
+update of every engine: a non-finite step puts back the master and adam's state alike. And a shaping,
+a strategy and an engine registered in a user's own file (tests/user_extensions.py), run with `esft train`."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -112,23 +113,24 @@ def test_a_non_finite_update_puts_back_the_master_and_the_optimizer_state(tiny_m
     assert not torch.equal(engine.master[engine.trainable[0][1]], master[engine.trainable[0][1]])
 
 
-def test_a_shaping_and_an_engine_of_the_users_own_run_esft_train(tiny_model_dir, tmp_path):
+def test_a_shaping_a_strategy_and_an_engine_of_the_users_own_run_esft_train(tiny_model_dir, tmp_path):
     """docs/architecture.md's walkthroughs, as a user runs them: tests/user_extensions.py registers the
-    `sign` shaping and the `counting` engine, then is `esft train` (a subprocess)."""
+    `sign` shaping, the `elite` strategy and the `counting` engine, then is `esft train` (a subprocess)."""
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in toy_rows(8)))
     rewards = Path(__file__).parent / "toy_task.py"
     command = [sys.executable, str(Path(__file__).parent / "user_extensions.py"), "train", "--model", str(tiny_model_dir),
-               "--engine", "counting", "--reward-shaping", "sign", "--train-data", str(data), "--eval-data", str(data),
+               "--engine", "counting", "--reward-shaping", "sign", "--strategy", "elite", "--train-data", str(data), "--eval-data", str(data),
                "--reward-funcs", f"{rewards}:byte_reward", "--iterations", "2", "--population-size", "4",
                "--batch-size", "2", "--max-tokens", "4", "--eval-batch-size", "8", "--sigma", "0.05", "--no-progress",
                "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "mine"]
     proc = subprocess.run(command, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert "counting engine: first generate call" in proc.stderr
+    assert re.search(r"elite strategy: members \[\d, \d\] of 4 move the weights", proc.stderr)  # the better half
     assert "members are evaluated one at a time (population batching is off)" not in proc.stderr  # auto: off, silently
     config = yaml.safe_load((tmp_path / "mine" / "config.yaml").read_text())
-    assert config["engine"] == "counting" and config["reward_shaping"] == "sign"
+    assert config["engine"] == "counting" and config["reward_shaping"] == "sign" and config["strategy"] == "elite"
     rows = [json.loads(line) for line in (tmp_path / "mine" / "metrics.jsonl").read_text().splitlines()]
     training = [row for row in rows if "reward/mean" in row]
     assert [row["iteration"] for row in training] == [1, 2] and all(row["es/update_ratio"] > 0 for row in training)

@@ -24,7 +24,8 @@ from tiny_model import build_tiny_model, subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from esft.es import strategy
+from esft.es.strategies.base import ESState
+from esft.es.strategies.paper import STRATEGY as PAPER
 from esft.es.batches import PromptBatch  # noqa: E402
 from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
@@ -152,7 +153,7 @@ def test_update_is_the_transformers_float32_master_bit_for_bit(vllm_engine, vllm
     reference = hf_engine(vllm_model_dir, trainable=r"mlp\.|q_proj")
     frozen_before = {n: t for n, t in vllm_engine.master_state().items()}
     for iteration in range(3):
-        seeds = strategy.ask(strategy.ESState(1, iteration), 4)
+        seeds = PAPER.ask(ESState(1, iteration), 4)
         coefficients = [1e-2, -2e-2, 5e-3, 7e-3]
         vllm_engine.update(seeds, coefficients)
         reference.update(seeds, coefficients)
@@ -183,7 +184,7 @@ def test_adam_update_and_its_state_are_the_transformers_engines(vllm_engine, vll
         names = [name for _, name, _ in vllm_engine.trainable]
 
         def step(iteration):
-            seeds = strategy.ask(strategy.ESState(3, iteration), 4)
+            seeds = PAPER.ask(ESState(3, iteration), 4)
             for engine in (vllm_engine, reference):
                 engine.update(seeds, [0.25, -0.5, 0.1, 0.4], learning_rate=1e-3)
             ours = vllm_engine.master_state()
@@ -214,11 +215,11 @@ def test_same_seed_same_rewards_and_weights_as_transformers(vllm_engine, vllm_mo
     scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
     executors = [LocalExecutor(vllm_engine, scorer, 0.05), LocalExecutor(reference, scorer, 0.05)]
     for iteration in range(2):
-        seeds = strategy.ask(strategy.ESState(0, iteration), 6)
+        seeds = PAPER.ask(ESState(0, iteration), 6)
         rewards = [[m.reward for m in ex.evaluate_population(seeds, rows)] for ex in executors]
         assert rewards[0] == rewards[1]
         assert len(set(rewards[0])) > 1  # not a trivial all-equal population
-        _, coefficients = strategy.tell(strategy.ESState(0, iteration), rewards[0], 0.05)
+        _, coefficients = PAPER.tell(ESState(0, iteration), rewards[0], 0.05)
         for ex in executors:
             ex.update(seeds, coefficients)
     ours = vllm_engine.master_state()

@@ -17,7 +17,9 @@ from test_vllm_lowrank import RANK, lowrank  # noqa: E402,F401
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
 from esft.engines.vllm_adapters import lora_es_request, member_request, parse_member_path  # noqa: E402
-from esft.es import strategy  # noqa: E402
+from esft.es.strategies.base import ESState  # noqa: E402
+from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
+from esft.es.strategies.antithetic import STRATEGY as ANTITHETIC, merge_mirrored, mirror  # noqa: E402
 from esft.es.batches import PromptBatch  # noqa: E402
 from esft.es.lowrank import perturbed_matrix  # noqa: E402
 from esft.es.noise import draw_noise, lowrank_factors  # noqa: E402
@@ -41,9 +43,9 @@ def run_both(engines, seeds_of, sigma: float, batched: bool, iterations: int = 2
         rewards = [[m.reward for m in ex.evaluate_population(seeds, rows, sigma)] for ex in executors]
         assert rewards[0] == rewards[1]
         history.append(rewards[0])
-        _, coefficients = strategy.tell(strategy.ESState(0, iteration), rewards[0], 0.5)
+        _, coefficients = PAPER.tell(ESState(0, iteration), rewards[0], 0.5)
         for ex in executors:
-            ex.update(*strategy.merge_mirrored(seeds, coefficients))
+            ex.update(*merge_mirrored(seeds, coefficients))
     return history
 
 
@@ -62,7 +64,7 @@ def test_full_rank_mirrored_members_are_the_transformers_ones(vllm_engine, vllm_
     vllm_engine.restore()
     reference.restore()
 
-    history = run_both([vllm_engine, reference], lambda t: strategy.ask(strategy.ESState(0, t), 4, antithetic=True),
+    history = run_both([vllm_engine, reference], lambda t: ANTITHETIC.ask(ESState(0, t), 4),
                        sigma, batched=False)
     assert len(set(history[0])) > 1  # the mirrored members really score differently
     ours = vllm_engine.master_state()
@@ -72,7 +74,7 @@ def test_full_rank_mirrored_members_are_the_transformers_ones(vllm_engine, vllm_
 
 def test_lowrank_adapters_serve_mirrored_members_as_the_transformers_engine(lowrank):
     engine, reference, _ = lowrank
-    seeds = strategy.ask(strategy.ESState(0, 0), 4, antithetic=True)
+    seeds = ANTITHETIC.ask(ESState(0, 0), 4)
     first_id = engine._next_adapter_id
     members = engine.generate_population(PROMPTS, seeds, 0.3)
     assert engine._next_adapter_id == first_id + 4  # a fresh, positive adapter id per member, mirrored or not
@@ -81,7 +83,7 @@ def test_lowrank_adapters_serve_mirrored_members_as_the_transformers_engine(lowr
         reference.perturb(seed, 0.3)
         completions = reference.generate(PROMPTS)
         for index, name, _ in reference.trainable:
-            a, b = lowrank_factors(strategy.mirror(seed) if seed < 0 else seed, index, reference.master[name].shape, RANK)
+            a, b = lowrank_factors(mirror(seed) if seed < 0 else seed, index, reference.master[name].shape, RANK)
             sign = -1.0 if seed < 0 else 1.0
             direct = torch.addmm(reference.master[name], a, b.T, alpha=sign * 0.3 / math.sqrt(RANK))
             assert torch.equal(live(reference)[name], direct)
@@ -94,7 +96,7 @@ def test_lowrank_adapters_serve_mirrored_members_as_the_transformers_engine(lowr
     assert request.lora_int_id == 7 and parse_member_path(request.lora_path) == (~123, 0.3)
     assert lora_es_request(8, ~5, 0.1).lora_path.startswith("esft-lora://-6/")
 
-    history = run_both([engine, reference], lambda t: strategy.ask(strategy.ESState(0, t), 4, antithetic=True),
+    history = run_both([engine, reference], lambda t: ANTITHETIC.ask(ESState(0, t), 4),
                        0.2, batched=True)
     assert len(set(history[0])) > 1
     master = engine.master_state()
@@ -119,7 +121,7 @@ def test_lora_es_on_vllm_serves_mirrored_members_as_the_transformers_engine(tmp_
     try:
         reference = build_engine(ESConfig(model=str(path), device="cpu", **LORA))
         for iteration in range(2):
-            seeds = strategy.ask(strategy.ESState(0, iteration), 4, antithetic=True)
+            seeds = ANTITHETIC.ask(ESState(0, iteration), 4)
             members = engine.generate_population(PROMPTS, seeds, SIGMA)
             assert members == generate_population(reference, PROMPTS, seeds, SIGMA)
             master = {name: tensor.clone() for name, tensor in reference.master.items()}
@@ -130,7 +132,7 @@ def test_lora_es_on_vllm_serves_mirrored_members_as_the_transformers_engine(tmp_
             assert reference.generate(PROMPTS) == members[1]
             reference.restore()
             assert members[0] != members[1]  # the pair's two members really differ
-            merged = strategy.merge_mirrored(seeds, [0.3, -0.2, 0.1, 0.05])
+            merged = merge_mirrored(seeds, [0.3, -0.2, 0.1, 0.05])
             engine.update(*merged)
             reference.update(*merged)
             served = engine.master_state()

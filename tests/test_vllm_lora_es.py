@@ -19,7 +19,8 @@ from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines import build_engine  # noqa: E402
 from esft.engines.base import PopulationEngine  # noqa: E402
 from esft.engines.population import generate_population  # noqa: E402
-from esft.es import strategy  # noqa: E402
+from esft.es.strategies.base import ESState  # noqa: E402
+from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 
 SIGMA = 0.5
 LORA = dict(lora_r=4, lora_alpha=8.0, max_tokens=MAX_TOKENS, population_size=4, batch_size=4, sigma=SIGMA, seed=3,
@@ -46,7 +47,7 @@ def test_lora_es_on_vllm_matches_transformers_and_exports_a_peft_adapter(tmp_pat
         assert all(torch.equal(initial[n], reference.master[n]) for n in initial)  # same seeded adapter
         assert engine.generate(PROMPTS) == reference.generate(PROMPTS)  # the trained adapter is what is served
         for iteration in range(2):
-            seeds = strategy.ask(strategy.ESState(0, iteration), 4)
+            seeds = PAPER.ask(ESState(0, iteration), 4)
             members = engine.generate_population(PROMPTS, seeds, SIGMA)
             expected = generate_population(reference, PROMPTS, seeds, SIGMA)
             one_at_a_time = []
@@ -93,7 +94,7 @@ def test_lora_es_on_vllm_with_adam_matches_transformers(tmp_path):
                 assert engine.optimizer_state() == {}
                 engine.load_master_state(weights)
                 engine.load_optimizer_state(saved)
-            seeds = strategy.ask(strategy.ESState(0, iteration), 4)
+            seeds = PAPER.ask(ESState(0, iteration), 4)
             engine.update(seeds, [0.3, -0.2, 0.1, 0.05], learning_rate=1e-2)
             reference.update(seeds, [0.3, -0.2, 0.1, 0.05], learning_rate=1e-2)
             master = engine.master_state()

@@ -17,7 +17,8 @@ from tiny_model import subprocess_env  # noqa: E402
 from esft.engines.base import NoTrainableParameters, PopulationEngine  # noqa: E402
 from esft.engines.population import generate_population  # noqa: E402
 from esft.engines.vllm_adapters import servable_pattern, smallest_lora_rank  # noqa: E402
-from esft.es import strategy  # noqa: E402
+from esft.es.strategies.base import ESState  # noqa: E402
+from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 from esft.es.batches import PromptBatch  # noqa: E402
 from esft.es.lowrank import perturbed_matrix  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402
@@ -122,13 +123,13 @@ def test_population_matches_transformers_over_updates_with_fresh_adapters(lowran
     executors = [LocalExecutor(engine, scorer, 0.2, population_batching=True),
                  LocalExecutor(reference, scorer, 0.2, population_batching=True)]
     first_id = engine._next_adapter_id
-    seeds = strategy.ask(strategy.ESState(0, 0), 4)
+    seeds = PAPER.ask(ESState(0, 0), 4)
     for iteration in range(2):
         results = [ex.evaluate_population(seeds, rows) for ex in executors]  # the same seeds every iteration
         rewards = [[m.reward for m in result] for result in results]
         assert rewards[0] == rewards[1]
         assert len(set(rewards[0])) > 1
-        _, coefficients = strategy.tell(strategy.ESState(0, iteration), rewards[0], 0.5)
+        _, coefficients = PAPER.tell(ESState(0, iteration), rewards[0], 0.5)
         for ex in executors:
             ex.update(seeds, coefficients)
         master = engine.master_state()

@@ -25,7 +25,8 @@ from tiny_model import subprocess_env  # noqa: E402
 from toy_task import byte_reward  # noqa: E402
 
 from esft.settings.config import ESConfig  # noqa: E402
-from esft.es import strategy  # noqa: E402
+from esft.es.strategies.base import ESState  # noqa: E402
+from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 from esft.es.batches import prompt_batch  # noqa: E402
 from esft.executors import LocalExecutor  # noqa: E402
 from esft.executors.ray_executor import RayExecutor  # noqa: E402
@@ -46,14 +47,14 @@ def run_both(executor: RayExecutor, local: LocalExecutor, args: ESConfig) -> Non
     task = executor.task
     assert executor.checksum() == local.checksum()  # the same starting weights
     for iteration in range(args.iterations):
-        seeds = strategy.ask(strategy.ESState(args.seed, iteration), args.population_size)
+        seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
         rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
         ours, theirs = executor.evaluate_population(seeds, rows), local.evaluate_population(seeds, rows)
         assert [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in ours] == \
                [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in theirs]
         assert len({m.reward for m in ours}) > 1  # the adapters reach the forward pass
         assert [slot.members for slot in executor.slots] == [SHARE, SHARE]
-        _, coefficients = strategy.tell(strategy.ESState(args.seed, iteration), [m.reward for m in ours], args.alpha)
+        _, coefficients = PAPER.tell(ESState(args.seed, iteration), [m.reward for m in ours], args.alpha)
         executor.update(seeds, coefficients)
         local.update(seeds, coefficients)
         assert executor.checksum() == local.checksum()

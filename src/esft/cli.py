@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
             flag = "--" + field.name.replace("_", "-")
             help_text = f"{field.metadata['help']} [default: {field.default}]"
             group = groups[field.metadata["group"]]
-            if field.type in ("bool", "bool | str"):  # bool | str: on, off, or a word ("auto") left as the default
+            if field.type in ("bool", "bool | str", "bool | None"):  # bool | str: on, off, or a word ("auto") left as the default
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, default=argparse.SUPPRESS)
             elif field.metadata.get("repeatable"):
                 group.add_argument(flag, action=_Repeated, metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)

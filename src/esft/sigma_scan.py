@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from esft.engines.base import perturbed
-from esft.es import strategy
+from esft.es.strategies.base import ESState, draw_seeds
 from esft.es.batches import prompt_batch
 from esft.files import write_text_atomic
 
@@ -119,7 +119,7 @@ def scan(trainer: Any, sigmas: list[float], members: int, prompts: int) -> ScanR
     base, base_reward = generate_and_score()
     base_prints = base.fingerprints()
     base_garbled = sum(map(degenerate, base.texts)) / len(base.texts)
-    seeds = strategy.ask(strategy.init(args.seed), members)
+    seeds = draw_seeds(ESState(args.seed), members)
     steps = []
     for sigma in sigmas:
         rewards, changed, garbled = [], 0, 0

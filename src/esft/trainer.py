@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from esft.es import schedules, strategy
+from esft.es import schedules
+from esft.es.optimizers import coefficient_alpha
+from esft.es.strategies import STRATEGIES, ESState
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.settings.config import ConfigError, ESConfig, es_config, model_path
@@ -86,7 +88,8 @@ class ESTrainer:
         # KL's base for a model passed as an object: a CPU float32 copy of its weights before training,
         # kept off the device until the first KL evaluation moves it to the model's device and dtype
         self._kl_base = cpu_float32_copy(model) if self.task.report_kl and hasattr(model, "state_dict") else None
-        self.state = strategy.init(args.seed)
+        self.strategy = STRATEGIES[args.strategy]  # --strategy: ask/tell (esft.es.strategies)
+        self.state = self.strategy.init(args.seed)
         self.run = run
         self.initial_metrics: dict[str, float] = {}
         self.failure_totals: dict[str, dict[str, Any]] = {}
@@ -231,7 +234,7 @@ class ESTrainer:
         while self.state.iteration < args.iterations and not budget_spent(args, self._budget):
             started = time.perf_counter()
             sigma, alpha = schedules.step_sizes(args, self.state.iteration)  # σ_t, α_t: --sigma/--alpha-schedule
-            seeds = strategy.ask(self.state, args.population_size, args.antithetic)
+            seeds = self.strategy.ask(self.state, args.population_size)
             self._tell_rewards()
             members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration), sigma)
             batches = [member.scores for member in members]
@@ -241,8 +244,8 @@ class ESTrainer:
             stop_if_unshapeable(rewards, args.reward_shaping, batches, f"iteration {self.state.iteration + 1}",
                                 self._stop_checkpoint)
             # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers)
-            state, coefficients = strategy.tell(self.state, fitness, 1.0 if args.optimizer == "adam" else alpha,
-                                                args.reward_shaping)
+            state, coefficients = self.strategy.tell(self.state, fitness, coefficient_alpha(args.optimizer, alpha),
+                                                     args.reward_shaping)
             self._update(seeds, coefficients, alpha)
             self.state = state
             last, _ = self._end_iteration(self._iteration_metrics(members, rewards, time.perf_counter() - started,
@@ -262,7 +265,7 @@ class ESTrainer:
             for skipped in point.skipped:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
             print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
-        self.state = strategy.ESState(args.seed, start)
+        self.state = ESState(args.seed, start)
         self._watch = LearningWatch(self.engine.checksum() if args.algorithm == "es" and args.iterations > start else None)
         if start == 0 and args.iterations > 0 and (line := overlap_line(self.task)):  # said once per run
             print(f"esft: {line}", file=sys.stderr)  # before training: results measured on training rows say so
@@ -351,7 +354,7 @@ class ESTrainer:
 
     def _update(self, seeds: Sequence[int], coefficients: Sequence[float], alpha: float) -> None:
         try:
-            self.executor.update(*strategy.merge_mirrored(seeds, coefficients), alpha)  # a ±σ pair: one seed
+            self.executor.update(*self.strategy.update_terms(seeds, coefficients), alpha)  # antithetic: a ±σ pair, one seed
         except NonFiniteWeights as error:
             raise NonFiniteWeights(f"iteration {self.state.iteration + 1}: {error}; {self._stop_checkpoint()} "
                                    "with a smaller --alpha or --sigma") from None
@@ -380,7 +383,7 @@ class ESTrainer:
         row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
                                           sum(m.num_tokens for m in members), elapsed, self._budget)
         return row | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],
-                                         sigma, self.args.antithetic, self.executor.update_ratio())
+                                         sigma, self.strategy.mirrored, self.executor.update_ratio())
 
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:

@@ -1,4 +1,5 @@
-"""The ES math: ask/tell and reward shaping (strategy), seeded noise (noise, lowrank), and each
-iteration's prompts (batches). Pure functions of seeds and numbers: no model, no files, no processes."""
+"""The ES math: strategies (ask/tell), reward shaping, fitness, the optimizer on the ES gradient, seeded noise
+(noise, lowrank), the one update and each iteration's prompts (batches). Pure functions of seeds and numbers: no
+model, no files, no processes."""
 
-__all__ = ["batches", "lowrank", "noise", "strategy"]
+__all__ = ["batches", "fitness", "lowrank", "noise", "optimizers", "shaping", "strategies", "update"]

@@ -9,8 +9,8 @@ seeded like `iid` (member seed + tensor index); each entry of ε then has unit v
 same A·Bᵀ in both uses. Population batching (esft.engines.population) applies these same factors
 in the forward pass instead of to the weights.
 
-Mirrored members (--antithetic): a negative member seed s < 0 means the noise of seed ~s
-(esft.es.strategy.mirror), negated: draw_noise returns −ε(~s), lowrank_factors returns (−A, B) of ~s
+Mirrored members (--strategy antithetic): a negative member seed s < 0 means the noise of seed ~s
+(esft.es.strategies.antithetic.mirror), negated: draw_noise returns −ε(~s), lowrank_factors returns (−A, B) of ~s
 (so A·Bᵀ flips sign). Negation is exact in floating point, so θ + σ·ε(~s) is exactly θ − σ·ε(s). Every
 noise draw in esft goes through these two functions: engines, population batching, vLLM workers and
 adapters, Ray actors all handle mirrored members without knowing of them.
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import torch
 
-from esft.es.strategy import mirror
+from esft.es.strategies.antithetic import mirror
 
 # (member seed, tensor index in named_parameters() order) -> torch.Generator seed
 NOISE_SCHEMES: dict[str, Callable[[int, int], int]] = {

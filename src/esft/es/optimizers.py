@@ -25,6 +25,14 @@ from dataclasses import dataclass
 import torch
 
 OPTIMIZERS = ("sgd", "adam")
+LEARNING_RATE_IN_STEP = ("adam",)
+"""Optimizers that apply α themselves (as Adam's learning rate): the strategy's coefficients are then zᵢ/N, so
+that G = Σ cᵢεᵢ is the gradient estimate g. The others take α inside the coefficients (α/N·zᵢ, the paper's)."""
+
+
+def coefficient_alpha(kind: str, alpha: float) -> float:
+    """The α a strategy's tell puts into the coefficients under optimizer `kind` (LEARNING_RATE_IN_STEP)."""
+    return 1.0 if kind in LEARNING_RATE_IN_STEP else alpha
 
 
 @dataclass

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from esft.es import strategy
+from esft.es.strategies import ESState
 from esft.runs.checkpoint import CheckpointError, save_checkpoint
 from esft.settings.config import ConfigError, ESConfig, es_config, model_path
 from esft.engines import check_device, check_hub_id, loading_errors
@@ -130,7 +130,7 @@ class GRPOBaseline(ESTrainer):
     def step_ended(self, step: int) -> None:
         """An optimizer step ended: its row, from the generation batches scored during it."""
         elapsed = time.perf_counter() - self._step_started
-        self.state = strategy.ESState(self.args.seed, step)
+        self.state = ESState(self.args.seed, step)
         if self._pending:
             rewards = [value for values, _, _ in self._pending for value in values]
             self._row, self._budget = iteration_row(step, rewards, [scores for _, scores, _ in self._pending],

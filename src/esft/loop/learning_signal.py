@@ -32,8 +32,8 @@ def distinct_per_prompt(fingerprints: Sequence[Sequence[int]]) -> list[int]:
 
 
 def pairs_differ(rewards: Sequence[float]) -> float:
-    """Under --antithetic (members [s, ~s, ...]): the fraction of ±σ pairs whose two rewards differ (a pair
-    that ties adds nothing to the update)."""
+    """Under a mirrored strategy (--strategy antithetic: members [s, ~s, ...]): the fraction of ±σ pairs whose
+    two rewards differ (a pair that ties adds nothing to the update)."""
     pairs = list(zip(rewards[0::2], rewards[1::2]))
     return sum(a != b for a, b in pairs) / len(pairs)
 
@@ -47,7 +47,10 @@ class IterationSignal:
     distinct: list[int]
     """distinct_per_prompt of the members' completions."""
     reward: float
-    """The members' mean reward (all equal when tied)."""
+    """The members' mean reward (all equal when tied by their rewards)."""
+    rewards_differ: bool = False
+    """The members' rewards differ, yet every coefficient is zero: the strategy or the shaping gave them no
+    weight (a strategy or shaping of the user's that zeroes members)."""
 
     @property
     def identical(self) -> bool:
@@ -56,6 +59,9 @@ class IterationSignal:
 
     def cause(self, sigma: float) -> str:
         """Why a tied iteration does not move the weights, in words (with what to try)."""
+        if self.rewards_differ:
+            return ("the members' rewards differ, but --strategy and --reward-shaping gave every member a zero "
+                    "coefficient")
         if self.identical:
             return (f"every member wrote the same completions on all {len(self.distinct)} prompts: σ = {sigma:g} is too "
                     f"small to change this model's output; try {SIGMA_HINT}")
@@ -68,7 +74,7 @@ class IterationSignal:
 def iteration_signal(rewards: Sequence[float], coefficients: Sequence[float],
                      fingerprints: Sequence[Sequence[int]]) -> IterationSignal:
     return IterationSignal(tied=not any(coefficients), distinct=distinct_per_prompt(fingerprints),
-                           reward=float(sum(rewards) / len(rewards)))
+                           reward=float(sum(rewards) / len(rewards)), rewards_differ=min(rewards) != max(rewards))
 
 
 class LearningWatch:
@@ -83,21 +89,22 @@ class LearningWatch:
         self.first: str | None = None
 
     def observe(self, iteration: int, rewards: Sequence[float], coefficients: Sequence[float],
-                fingerprints: Sequence[Sequence[int]], sigma: float, antithetic: bool,
+                fingerprints: Sequence[Sequence[int]], sigma: float, mirrored: bool,
                 update_ratio: float | None) -> dict[str, float]:
         """The iteration row's es/distinct_completions, es/tied, es/update_ratio (where the engine measures
-        it) and, under --antithetic, es/pairs_differ; says the first tie (`iteration`: 1-based)."""
+        it) and, under a mirrored strategy, es/pairs_differ; says the first tie (`iteration`: 1-based)."""
         signal = iteration_signal(rewards, coefficients, fingerprints)
         self.iterations += 1
         if signal.tied:
             self.count += 1
             if self.first is None:
                 self.first = signal.cause(sigma)
-                say(f"esft: warning: iteration {iteration}: all {len(rewards)} members tied (reward "
-                    f"{signal.reward:.4g}), so the update is zero: {self.first}. Further tied iterations are counted "
-                    "(progress bar: tied=)")
+                tie = "no member has weight" if signal.rewards_differ else (f"all {len(rewards)} members tied (reward "
+                                                                            f"{signal.reward:.4g})")
+                say(f"esft: warning: iteration {iteration}: {tie}, so the update is zero: {self.first}. Further tied "
+                    "iterations are counted (progress bar: tied=)")
         row = {"es/distinct_completions": sum(signal.distinct) / len(signal.distinct), "es/tied": float(signal.tied)}
-        if antithetic:
+        if mirrored:
             row["es/pairs_differ"] = pairs_differ(rewards)
         if update_ratio is not None:
             row["es/update_ratio"] = update_ratio

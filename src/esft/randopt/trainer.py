@@ -19,7 +19,7 @@ from typing import Any
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.engines.base import Generation, Sampling, perturbed
-from esft.es import strategy
+from esft.es.strategies import STRATEGIES, ESState
 from esft.es.batches import PromptBatch
 from esft.loop.iteration_metrics import budget_spent, iteration_row
 from esft.loop.member_fitness import fitness_of
@@ -169,7 +169,6 @@ class RandOptTrainer(ESTrainer):
         stands for, the evaluation before training. Returns the N member seeds."""
         args = self.args
         self.failure_totals = {}
-        self.run.write_config(args)
         settings = identity_of(args.to_dict())
         self.record = {"format": 1, "settings": settings, "sigma": args.sigma, "members": [], "rows": []}
         if record_path(self.run_dir) is not None:
@@ -181,6 +180,7 @@ class RandOptTrainer(ESTrainer):
             self.record = record | {"kept": [], "consolidation": None}
             print(f"esft: resumed {self.run_dir}: {len(record['members'])} members already scored "
                   f"({RECORD_FILE}); they are not scored again", file=sys.stderr)
+        self.run.write_config(args)  # after the record's check: a refused resume leaves the run's settings as they were
         self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name)
         self.initial_metrics = self.record.get("before") or self._evaluate_or_stop(0, "nothing was scored")
         self.record["before"] = self.initial_metrics
@@ -190,7 +190,7 @@ class RandOptTrainer(ESTrainer):
         last = self.record["rows"][-1] if self.record["rows"] else {}
         self._budget = {key: last.get(f"budget/{key}", 0) for key in ("completions", "tokens", "seconds")}
         report_accuracy("before", self.initial_metrics)
-        seeds = strategy.ask(strategy.init(args.seed), args.population_size, args.antithetic)
+        seeds = STRATEGIES[args.strategy].ask(ESState(args.seed), args.population_size)
         self._progress = progress_bar(len(seeds), len(self.record["members"]), "RANDOPT", unit="member",
                                       enabled=args.progress)
         console.attach(self._progress)
@@ -231,7 +231,7 @@ class RandOptTrainer(ESTrainer):
                         "tokens": self._budget["tokens"] + tokens,
                         "seconds": self._budget["seconds"] + time.perf_counter() - started}
         write_record(self.run_dir, self.record)
-        self.state = strategy.ESState(args.seed, len(self.record["rows"]))
+        self.state = ESState(args.seed, len(self.record["rows"]))
         self._save(self.run_dir / "final")
         self.engine.load_master_state(self._base)  # the vote perturbs the base, not final/'s weights
         last = {"iteration": len(self.record["rows"]), **row, **{f"budget/{k}": v for k, v in self._budget.items()}}

@@ -19,8 +19,8 @@ EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weig
                  "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
                  "dtype", "reward_sandbox", "reward_timeout", "reward_memory_mb", "reward_workers", "failure_reward")
 """What `esft eval` takes from the settings of the run that wrote the evaluated weights."""
-RANDOPT_INHERITS = ("model", "algorithm", "sigma", "noise", "rank", "trainable", "antithetic", "population_size",
-                    "validation_size", "randopt_top_k", "prompt_format")
+RANDOPT_INHERITS = ("model", "algorithm", "sigma", "noise", "rank", "trainable", "strategy", "antithetic",
+                    "population_size", "validation_size", "randopt_top_k", "prompt_format")
 """What `esft eval --model RUN_DIR` of a RandOpt run also takes: the base model and its members' settings."""
 SHOWN = ("task", "train_data", "eval_data", "reward_funcs", "reward_model", "reward_url", "eval_size", "max_tokens",
          "temperature", "eval_samples", "seed")

@@ -84,7 +84,7 @@ METRICS: tuple[Metric, ...] = (
     Metric("es/update_ratio", "‖Δθ‖/‖θ‖ of the iteration's update over the trainable float32 master (0: the weights "
            "did not move).", "all trainable tensors", ES_ROWS + ", transformers and vLLM engines, in process or on Ray actors (not LoRA-ES on vLLM)"),
     Metric("es/pairs_differ", "Fraction of ±σ pairs whose two rewards differ (a pair that ties adds nothing to "
-           "the update).", "the N/2 pairs", ES_ROWS + " with --antithetic"),
+           "the update).", "the N/2 pairs", ES_ROWS + " with --strategy antithetic"),
     # ---- training: GRPO (TRL's values for the step, as TRL logs them)
     Metric("grpo/loss", "TRL's GRPO loss of the optimizer step.", "the step's micro-batches", GRPO_ROWS),
     Metric("grpo/grad_norm", "Gradient norm before clipping (--max-grad-norm).", "the step", GRPO_ROWS),

@@ -14,10 +14,10 @@ from esft.files import SETTINGS_LIMIT, read_regular_text, write_text_atomic
 RECORD_FILE = "randopt.json"
 FORMAT = 1
 IDENTITY = ("model", "task", "train_data", "train_rows", "train_size", "difficulty", "seed", "sigma", "noise",
-            "rank", "trainable", "antithetic", "dtype", "population_size", "validation_size", "max_tokens",
+            "rank", "trainable", "strategy", "dtype", "population_size", "validation_size", "max_tokens",
             "prompt_format", "reward_funcs", "reward_weights", "failed_samples")
 """The settings that decide which members exist and how they score: a record is resumed only under the same ones."""
-MEMBERS = ("model", "seed", "sigma", "noise", "rank", "trainable", "antithetic", "dtype")
+MEMBERS = ("model", "seed", "sigma", "noise", "rank", "trainable", "strategy", "dtype")
 """The settings that decide which weights a seed stands for: a record's members are evaluated only under these."""
 
 
@@ -56,12 +56,21 @@ def write_record(run_dir: Path, record: dict[str, Any]) -> None:
 
 
 def identity_of(config: dict[str, Any]) -> dict[str, Any]:
+    config = with_strategy(config)
     return {name: config.get(name) for name in IDENTITY}
+
+
+def with_strategy(settings: dict[str, Any]) -> dict[str, Any]:
+    """`settings` with its strategy named: settings written before --strategy said `antithetic: true/false`."""
+    if not isinstance(settings, dict) or settings.get("strategy") is not None:
+        return settings
+    return {**settings, "strategy": "antithetic" if settings.get("antithetic") else "paper"}
 
 
 def check_identity(record: dict[str, Any], config: dict[str, Any], where: str, names: tuple[str, ...] = IDENTITY) -> None:
     """RecordError naming the first of `names` whose setting differs from the record's (its members would be others)."""
-    for name, value in record.get("settings", {}).items():
+    config = with_strategy(config)
+    for name, value in with_strategy(record.get("settings", {})).items():
         if name in names and config.get(name) != value:
             raise RecordError(f"{where} was scored with {name}={value!r}, this run has {config.get(name)!r}: its "
                               f"members would be other ones; use the record's settings or start a new run")

@@ -14,6 +14,7 @@ from esft.es.fitness import FAILED_SAMPLES
 from esft.es.noise import NOISE_SCHEMES
 from esft.es.optimizers import OPTIMIZERS
 from esft.es.shaping import REWARD_SHAPING
+from esft.es.strategies import STRATEGIES
 from esft.files import looks_like_path
 from esft.models.gguf import gguf_problem, is_gguf
 from esft.settings.trl_names import ES_EQUIVALENTS
@@ -23,6 +24,7 @@ CHOICES = {  # the ES and engine choices are their registries themselves (a regi
     "noise": NOISE_SCHEMES,
     "optimizer": OPTIMIZERS,
     "reward_shaping": REWARD_SHAPING,
+    "strategy": STRATEGIES,
     "failed_samples": FAILED_SAMPLES,
     "prompt_format": ("auto", "raw", "chat"),
     "dtype": ("float32", "bfloat16", "float16"),

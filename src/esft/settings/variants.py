@@ -1,5 +1,5 @@
-"""The ES variants' settings (issue 22): mirrored sampling, an optimizer on the ES gradient and
-schedules of σ and α; one documented field each, in the "ES" section of `esft train --help`, and
+"""The ES variants' settings (issue 22): the strategy (esft.es.strategies: the paper's, mirrored pairs, ...),
+an optimizer on the ES gradient and schedules of σ and α; one documented field each, in the "ES" section of `esft train --help`, and
 the rules they must satisfy. Every default is the paper's rule: one-sided seeds, θ += α·g (sgd),
 constant σ and α."""
 
@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from esft.es.strategies import STRATEGIES
 from esft.settings.fields import ES_MEMBERS, ES_UPDATE, RunFields, _in
 from esft.settings.rules import ConfigError, shown
 
@@ -19,10 +20,13 @@ SCHEDULE = re.compile(r"(constant)|(linear|cosine)(?::([0-9]*\.?[0-9]+(?:e-?[0-9
 class VariantFields(RunFields):
     """RunFields and the ES variants (ESConfig adds the GRPO (TRL) section)."""
 
-    antithetic: bool = _in(
-        "ES", "Mirrored (antithetic) sampling: N/2 seeds, each evaluated at θ + σ·ε and θ − σ·ε (members 2k and "
-        "2k+1), both used in the update; --population-size must be even. Off: the paper's one-sided seeds.",
-        algorithms=ES_MEMBERS, default=False)
+    strategy: str = _in(
+        "ES", "The ES strategy, how members are asked for and their fitness becomes the update (esft.es.strategies): "
+        + "; ".join(f"{name}: {strategy.summary}" for name, strategy in STRATEGIES.items()) + ".",
+        algorithms=ES_MEMBERS, default="paper")
+    antithetic: bool | None = _in(
+        "ES", "The same as --strategy antithetic: the spelling of commands and configs written before --strategy "
+        "(read, never written: a run's config.yaml records the strategy).", algorithms=ES_MEMBERS, default=None)
     optimizer: str = _in(
         "ES", "How the ES gradient estimate g = (1/N)·Σ zᵢ·εᵢ moves the weights: sgd (the paper: θ += α·g) or adam "
         "(torch.optim.Adam's step on g with learning rate α, maximizing: θ += α·m̂/(√v̂ + --adam-eps); float32 moments "
@@ -52,9 +56,15 @@ class VariantFields(RunFields):
 
 def check_variants(config) -> None:
     """ConfigError naming the first invalid ES-variant setting and how to fix it."""
-    if config.antithetic and config.population_size % 2:
-        raise ConfigError("population_size", f"--antithetic pairs members (θ ± σ·ε), so N must be even; got "
-                          f"{config.population_size}: use {config.population_size + 1} or {config.population_size - 1}")
+    if config.antithetic:  # the spelling from before --strategy: read into the strategy, never written
+        if config.strategy not in ("paper", "antithetic"):
+            raise ConfigError("antithetic", f"--antithetic is --strategy antithetic, but --strategy is "
+                              f"{config.strategy}: give one of them")
+        config.strategy = "antithetic"
+    config.antithetic = None
+    strategy = STRATEGIES[config.strategy]
+    if problem := strategy.population_problem(config.population_size):
+        raise ConfigError("population_size", f"--strategy {config.strategy} {problem}")
     parts = str(config.adam_betas).split(",")
     try:
         betas = [float(part) for part in parts]
