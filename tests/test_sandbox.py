@@ -88,13 +88,14 @@ def test_hang_crash_and_memory_fail_the_batch_and_the_pool_is_repaired(runner, c
 
 
 def test_timeout_is_measured_per_call(runner):
-    """One deadline for the whole call: 8 hanging samples time out together after ~0.5 s (a
-    per-sample timeout would take 8 × 0.5 s)."""
+    """One deadline for the whole call: 24 hanging samples time out together after ~0.5 s, where a per-sample
+    timeout would take at least 24 × 0.5 = 12 s. The bound leaves 7.5 s for killing and replacing the worker on a
+    loaded machine (a full CI run measured 3.6 s with vLLM tests beside it, against the 3.0 s bound once here)."""
     r = runner(R.hangs_on_bad, timeout=0.5)
-    rows = [{"prompt": f"p{i}"} for i in range(8)]
+    rows = [{"prompt": f"p{i}"} for i in range(24)]
     started = time.monotonic()
-    assert r.score(rows, ["BAD"] * 8).timeouts == 8
-    assert 0.5 <= time.monotonic() - started < 3.0
+    assert r.score(rows, ["BAD"] * 24).timeouts == 24
+    assert 0.5 <= time.monotonic() - started < 8.0
 
 
 def test_memory_cap_is_configurable_and_zero_disables_it():
