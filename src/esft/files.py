@@ -141,6 +141,14 @@ def read_regular(path: str | os.PathLike, limit: int, follow_links: bool = False
         os.close(fd)
 
 
+def nearest_existing(path: Path) -> Path:
+    """`path` itself if it exists, else its nearest ancestor that does: where making `path` would start (a file
+    there, or a folder this user cannot write to, says before any work that it cannot be made)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def read_regular_text(path: str | os.PathLike, limit: int, follow_links: bool = False, errors: str = "strict") -> str:
     """read_regular decoded as UTF-8 (UnicodeDecodeError unless `errors` says otherwise)."""
     return read_regular(path, limit, follow_links).decode("utf-8", errors=errors)

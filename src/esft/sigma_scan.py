@@ -34,7 +34,7 @@ from typing import Any
 from esft.engines.base import perturbed
 from esft.es.strategies.base import ESState, draw_seeds
 from esft.es.batches import prompt_batch
-from esft.files import write_text_atomic
+from esft.files import nearest_existing, write_text_atomic
 
 LADDER = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 MIN_CHANGED = 0.25
@@ -203,9 +203,7 @@ def _count(least: int, most: int = 4096):
 
 def out_problem(out: Path) -> str | None:
     """Why --out cannot hold the scan's files (said before the scan, whose minutes would otherwise be lost)."""
-    existing = out
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(out)
     if not existing.is_dir():
         return f"--out {out}: {existing} is a file, not a folder; give a folder (or one to create)"
     if not os.access(existing, os.W_OK | os.X_OK):

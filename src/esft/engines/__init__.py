@@ -63,12 +63,12 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
     path = model_path(args, model)
     check_device(args.device)
     check_hub_id(path)
-    check_folder(args, path, model)
+    check_folder(args, path)
     with loading_errors(args, model):
         return spec.loader()(args, path, options)
 
 
-def check_folder(args: ESConfig, path: str, model: Any = None) -> None:
+def check_folder(args: ESConfig, path: str) -> None:
     """ConfigError before loading a local model folder that cannot be read or fine-tuned here: a damaged config or
     safetensors header, a config that does not describe its weights, weights that do not fit in memory
     (esft.models.footprint, with the flags that would make them fit)."""

@@ -13,6 +13,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from esft.files import nearest_existing
 from esft.models.gguf import READY, cache_root, convert, gguf_package_missing, sha256_of
 
 
@@ -81,9 +82,7 @@ def prepare(model: PreparedModel, cache: Path | None = None, wheel: Path | None 
 def cache_problem(target: Path) -> str | None:
     """Why the folder `target` cannot be made (an ancestor that is a file, or one this user cannot write to),
     known before the download and the conversion (a minute of work); None when it can."""
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    existing = nearest_existing(target)
     if existing == target and target.is_dir():
         return None if os.access(target, os.W_OK) else f"{target} is not writable by this user"
     if not existing.is_dir():
