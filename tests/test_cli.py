@@ -1,12 +1,12 @@
-"""`esft train` / `esft eval` run as a user runs them: a subprocess, judged by exit code, files and
-the one-line error on stderr."""
+"""`esft train` / `esft eval` judged as a user judges them: by exit code, files and the one-line error on
+stderr. The trained run every file check reads is a subprocess, as a user runs it; the variations (bad input,
+--help, --config, evaluation only) run in this process (tests/cli_runner.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from esft.cli import resolve_config
 from esft.settings.config import DEMO_PRESET, ESConfig
 from esft.tasks.countdown import countdown_accuracy, countdown_reward
+from cli_runner import run_esft, run_esft_here
 from tiny_model import subprocess_env
 
 TINY = ["--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "4",
@@ -27,12 +28,23 @@ ITERATION_KEYS = ("iteration", "reward/mean", "reward/std", "reward/min", "rewar
 SAMPLE_KEYS = {"prompt", "completion", "target", "reward", "accuracy"}
 
 
-def esft(*args: str, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
-    """Run `python -m esft.cli ARGS`; returns the finished process and its wall time in seconds."""
-    env = {**subprocess_env(), "PYTHONIOENCODING": "utf-8", "COLUMNS": "100"}
+def cli_env() -> dict[str, str]:
+    """The environment of an `esft` a test runs: this process's as it is now (a test may have set a variable)."""
+    return {**subprocess_env(), "PYTHONIOENCODING": "utf-8", "COLUMNS": "100"}
+
+
+def esft(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """`esft ARGS` in this process (tests/cli_runner.py: the variations of a path); returns the finished
+    command and its wall time in seconds."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, encoding="utf-8", timeout=timeout)
+    proc = run_esft_here(*args, cwd=cwd, env=cli_env())
+    return proc, time.perf_counter() - started
+
+
+def esft_process(*args: str, cwd: Path, timeout: float = 120) -> tuple[subprocess.CompletedProcess, float]:
+    """`python -m esft.cli ARGS` in a process of its own, as a user runs it; the process and its wall time."""
+    started = time.perf_counter()
+    proc = run_esft(*args, cwd=cwd, env=cli_env(), timeout=timeout)
     return proc, time.perf_counter() - started
 
 
@@ -65,7 +77,7 @@ def assert_user_error(proc: subprocess.CompletedProcess, *expected: str) -> str:
 def trained_run(tiny_model_dir, tmp_path_factory):
     """One tiny `esft train` with TensorBoard logging: 4 iterations, a checkpoint every 2."""
     out = tmp_path_factory.mktemp("cli-train")
-    proc, _ = esft("train", "--model", str(tiny_model_dir), *TINY, "--iterations", "4", "--save-every", "2",
+    proc, _ = esft_process("train", "--model", str(tiny_model_dir), *TINY, "--iterations", "4", "--save-every", "2",
                    "--sigma", "0.002", "--seed", "3", "--logging", "tensorboard", "--output-dir", str(out),
                    "--run-name", "run", cwd=out)
     assert proc.returncode == 0, proc.stderr

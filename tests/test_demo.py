@@ -28,6 +28,8 @@ def test_embedded_model_ships_with_the_package():
 
 @pytest.mark.slow
 def test_default_demo_gains_at_least_8_points(tmp_path):
+    """The README's first command as a newcomer runs it (a subprocess, every default): slow because the promise
+    is the default demo's whole run, 500 held-out problems evaluated before and after."""
     result = subprocess.run(
         [sys.executable, "-m", "esft.cli", "train", "--output-dir", str(tmp_path), "--run-name", "demo", "--no-progress"],
         capture_output=True, text=True, timeout=1200,

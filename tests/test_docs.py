@@ -207,7 +207,7 @@ def test_every_key_an_es_run_writes_has_an_entry(tiny_model_dir, tmp_path):
     proc, _ = esft("train", "--model", str(tiny_model_dir), "--task", "labelled.py:labelled_task", "--max-tokens", "4",
                    "--population-size", "2", "--batch-size", "2", "--iterations", "2", "--eval-every", "1",
                    "--eval-samples", "2", "--temperature", "0.7", "--sigma-schedule", "linear", "--no-progress",
-                   "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "keys", cwd=tmp_path, timeout=300)
+                   "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "keys", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     keys = {key for row in read_jsonl(tmp_path / "keys" / "metrics.jsonl") for key in row}
     assert {"eval/easy/pass@2", "eval/easy/mean@2", "rewards/judged/mean", "es/sigma", "budget/tokens"} <= keys

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cli_runner import run_esft_here
 from tiny_model import subprocess_env
 from esft.engines.transformers_engine import TransformersEngine
 from esft.es import lowrank
@@ -117,9 +117,8 @@ ADAM = ["--optimizer", "adam", "--alpha", "1e-4", "--weight-decay", "0.01"]
 
 
 def esft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = subprocess_env()
-    return subprocess.run([sys.executable, "-m", "esft.cli", "train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
+    """`esft train ARGS` in this process (tests/cli_runner.py)."""
+    return run_esft_here("train", *args, cwd=cwd, env=subprocess_env())
 
 
 def safetensors_bytes(directory: Path) -> dict[str, bytes]:
@@ -129,6 +128,8 @@ def safetensors_bytes(directory: Path) -> dict[str, bytes]:
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", [["--noise", "iid"], [], ["--lora-r", "2"]], ids=["iid", "lowrank", "lora"])
 def test_adam_resume_is_bitwise_equal_to_an_uninterrupted_run(tmp_path, variant):
+    """Adam's moments survive a checkpoint: 4 iterations straight against 2 + a resume to 4, for each noise and
+    LoRA (slow: three runs per variant, compared bit for bit)."""
     from safetensors.torch import load_file
 
     straight = esft(*RUN, *ADAM, *variant, "--iterations", "4", "--run-name", "straight", cwd=tmp_path)

@@ -29,6 +29,7 @@ from esft.es.fitness import Fitness, same_prompts
 from esft.es.shaping import REWARD_SHAPING
 from esft.loop.member_fitness import reward_matrix
 from esft.rewards.runner import RewardRunner, score
+from cli_runner import run_esft_here
 from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, toy_rows
 
@@ -214,10 +215,8 @@ VARIANTS = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "l
 
 
 def toy_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`esft` as a user runs it, with the toy task registered (tests/toy_task.py)."""
-    env = {**subprocess_env(), "PYTHONPATH": os.pathsep.join(sys.path)}
-    return subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    """`esft` with the toy task registered (tests/toy_task.py), in this process (tests/cli_runner.py)."""
+    return run_esft_here(*args, cwd=cwd, env=subprocess_env(), script=TESTS / "toy_task.py")
 
 
 def rows_of(run: Path) -> list[dict]:
@@ -226,6 +225,8 @@ def rows_of(run: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_resumed_variant_run_is_bitwise_the_uninterrupted_one_and_logs_its_schedule(lively_model_dir, tmp_path):
+    """Every variant at once, resumed from checkpoint-2, ends bitwise equal to the run that was never stopped
+    (slow: three runs of 4 iterations with 4 members)."""
     common = ["train", "--model", str(lively_model_dir), "--task", "toy", "--iterations", "4", "--population-size", "4",
               "--batch-size", "4", "--eval-size", "4", "--max-tokens", "8", "--train-size", "20", "--eval-batch-size", "4",
               "--sigma", "0.05", "--alpha", "0.05", "--save-every", "2", "--logging", "none", "--no-progress",
@@ -292,6 +293,7 @@ def test_cli_refuses_bad_variant_settings_in_one_line(tmp_path, flags, expected)
 # ------------------------------------------------------------------ Ray = local
 @pytest.mark.slow
 def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(lively_model_dir, tmp_path):
+    """Every variant on Ray (2 actors) ends with the local run's weights (slow: Ray actors start and load the model)."""
     ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
     from esft.trainer import ESTrainer
 

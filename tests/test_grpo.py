@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from tiny_model import subprocess_env
 from esft.settings.config import ConfigError, ESConfig
-from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
+from test_cli import assert_user_error, esft, esft_process, read_jsonl, safetensors_of
 
 pytest.importorskip("trl")
 
@@ -43,7 +43,7 @@ def runs(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("grpo-vs-es")
     done = {}
     for name, flags in (("es", ES), ("grpo", GRPO)):
-        proc, _ = esft("train", "--model", str(tiny_model_dir), *SMALL, *flags, "--iterations", "5", "--save-every", "2",
+        proc, _ = esft_process("train", "--model", str(tiny_model_dir), *SMALL, *flags, "--iterations", "5", "--save-every", "2",
                        "--budget-completions", "8", "--output-dir", str(out), "--run-name", name, cwd=out, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         done[name] = (proc, out / name)
@@ -202,6 +202,8 @@ for algorithm, trainer, settings in (("es", ESTrainer, dict(population_size=2, b
 
 @pytest.mark.slow
 def test_a_reward_defined_in_the_users_script_works_under_both_algorithms(tmp_path, tiny_model_dir):
+    """A user's script that defines its reward and trains with ES, then GRPO (slow: a subprocess that trains twice;
+    the reward must run in sandbox workers, not in the script)."""
     header = f"PIDS, OUT, MODEL = {str(tmp_path / 'pids')!r}, {str(tmp_path / 'out')!r}, {str(tiny_model_dir)!r}\n"
     (tmp_path / "train.py").write_text(header + textwrap.dedent(SCRIPT))
     proc = subprocess.run([sys.executable, "train.py"], cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
@@ -219,15 +221,16 @@ def test_a_reward_defined_in_the_users_script_works_under_both_algorithms(tmp_pa
 
 @pytest.mark.slow
 def test_a_grpo_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tiny_model_dir, tmp_path):
+    """GRPO stopped by a token budget and resumed ends with the uninterrupted run's weights (slow: three TRL runs)."""
     base = ["train", "--model", str(tiny_model_dir), *SMALL, *GRPO, "--iterations", "4", "--save-every", "2",
             "--output-dir", str(tmp_path)]
-    whole, _ = esft(*base, "--run-name", "whole", cwd=tmp_path, timeout=300)
+    whole, _ = esft(*base, "--run-name", "whole", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
     # the same run stopped by a token budget after step 2, then resumed without one
-    cut, _ = esft(*base, "--run-name", "cut", "--budget-tokens", "20", cwd=tmp_path, timeout=300)
+    cut, _ = esft(*base, "--run-name", "cut", "--budget-tokens", "20", cwd=tmp_path)
     assert cut.returncode == 0 and "at iteration 2 of 4: stopping" in cut.stderr, cut.stderr[-2000:]
     resumed, _ = esft("train", "--resume", str(tmp_path / "cut"), "--budget-tokens", "1000000", "--trust-run-code",
-                      cwd=tmp_path, timeout=300)
+                      cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resumed from {tmp_path / 'cut' / 'checkpoint-2'} at iteration 2" in resumed.stderr
     whole_weights, resumed_weights = safetensors_of(tmp_path / "whole" / "final"), safetensors_of(tmp_path / "cut" / "final")
@@ -239,6 +242,8 @@ def test_a_grpo_run_resumed_from_its_checkpoint_ends_with_the_same_weights(tiny_
 
 @pytest.mark.slow
 def test_a_grpo_reward_that_breaks_mid_run_stops_with_a_checkpoint_to_resume(tiny_model_dir, tmp_path):
+    """A reward that raises in GRPO step 2 stops the run with a checkpoint, and the resume finishes it (slow: two
+    TRL runs)."""
     (tmp_path / "rewards.py").write_text(textwrap.dedent("""
         from pathlib import Path
         def flaky(prompts, completions, **kwargs):
@@ -252,7 +257,7 @@ def test_a_grpo_reward_that_breaks_mid_run_stops_with_a_checkpoint_to_resume(tin
     data.write_text("".join(json.dumps({"prompt": f"{i} + {i} ="}) + "\n" for i in range(6)))
     flags = ["--model", str(tiny_model_dir), "--train-data", str(data), "--reward-funcs", "rewards.py:flaky", *GRPO,
              "--iterations", "3", "--max-tokens", "4", "--logging", "none", "--no-progress", "--output-dir", "runs"]
-    broken, _ = esft("train", *flags, "--run-name", "r", cwd=tmp_path, timeout=300)
+    broken, _ = esft("train", *flags, "--run-name", "r", cwd=tmp_path)
     run = tmp_path / "runs" / "r"
     assert broken.returncode == 2, broken.stderr[-2000:]
     error = next(line for line in broken.stderr.splitlines() if line.startswith("esft: error:"))
@@ -263,13 +268,15 @@ def test_a_grpo_reward_that_breaks_mid_run_stops_with_a_checkpoint_to_resume(tin
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1]
     (tmp_path / "fixed").touch()
     resumed, _ = esft("train", "--resume", "runs/r", "--reward-funcs", "rewards.py:flaky", "--train-data", str(data),
-                      cwd=tmp_path, timeout=300)
+                      cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert [row["iteration"] for row in read_jsonl(run / "metrics.jsonl")] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow
 def test_an_es_run_stopped_by_its_token_budget_resumes_only_with_a_larger_one(tiny_model_dir, tmp_path):
+    """A token budget stops ES; resumed with the same budget nothing trains, with a larger one it goes on (slow:
+    three runs)."""
     base = ["--model", str(tiny_model_dir), *SMALL, *ES, "--iterations", "4", "--save-every", "1", "--sigma", "0.05"]
     first, _ = esft("train", *base, "--budget-tokens", "20", "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-2000:]

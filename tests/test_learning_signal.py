@@ -18,6 +18,7 @@ import torch
 import esft
 from esft.loop.learning_signal import distinct_per_prompt, iteration_signal, pairs_differ
 from esft.sigma_scan import Step, degenerate, recommend
+from cli_runner import run_esft_here
 from tiny_model import build_tokenizer, subprocess_env
 
 ESFT_SRC = Path(esft.__file__).parents[1]
@@ -52,9 +53,9 @@ def user_dir(tmp_path_factory) -> Path:
     return folder
 
 
-def esft_cli(folder: Path, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "esft", *args], cwd=folder, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+def esft_cli(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    """`esft ARGS` in the user's folder, in this process (tests/cli_runner.py)."""
+    return run_esft_here(*args, cwd=folder, env=ENV)
 
 
 def train(folder: Path, name: str, *extra: str, reward: str = "distinct_chars") -> subprocess.CompletedProcess:

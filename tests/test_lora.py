@@ -18,6 +18,7 @@ peft = pytest.importorskip("peft", reason="install esft[lora] to test LoRA-ES")
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
+from cli_runner import run_esft_here
 from tiny_model import build_tiny_model, subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -211,8 +212,9 @@ def test_eval_takes_the_runs_settings_however_its_lora_result_is_named(cli_run, 
     for name, model in (("run", ["--model", str(cli_run / "final")]),
                         ("adapter", ["--model", str(lively_model_dir), "--lora-adapter", str(cli_run / "final")]),
                         ("merged", ["--model", str(cli_run / "final-merged")])):
-        proc = esft("eval", *model, "--trust-run-code",  # the run names a reward file (issue 26: code needs the opt-in)
-                    "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", name, cwd=tmp_path)
+        proc = run_esft_here("eval", *model, "--trust-run-code",  # the run names a reward file (issue 26: the opt-in)
+                             "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", name,
+                             cwd=tmp_path)  # in this process: cli_run is the LoRA path's run as a subprocess
         assert proc.returncode == 0, proc.stderr[-2000:]
         (line,) = [line for line in proc.stderr.splitlines() if line.startswith("esft eval: evaluating with")]
         assert "max_tokens=6" in line and "eval.jsonl" in line and "task=custom" in line, line
@@ -264,6 +266,7 @@ def test_a_peft_model_passed_in_python_is_trained_and_exported(lively_model_dir,
 
 @pytest.mark.slow  # a Ray cluster takes ~20 s to start on 2 cores
 def test_ray_run_ends_bitwise_equal_to_the_local_run(lively_model_dir, tmp_path):
+    """LoRA-ES on Ray (2 actors) saves the local run's adapter and merged model bit for bit (slow: Ray actors)."""
     pytest.importorskip("ray")
     for name, ray_settings in (("local", {}), ("ray", {"executor": "ray", "workers": 2})):
         args = lora_args(lively_model_dir, population_size=4, batch_size=2, sigma=0.05, iterations=2, save_every=0,

@@ -123,7 +123,7 @@ def test_arithmetic_trains_from_the_cli_in_chat_form_with_its_labels_logged(tiny
     proc, _ = esft("train", "--model", str(tiny_model_dir), "--task", "arithmetic", "--prompt-format", "chat",
                    "--max-tokens", "4", "--population-size", "2", "--batch-size", "2", "--eval-size", "4",
                    "--iterations", "1", "--no-progress", "--logging", "none", "--output-dir", str(tmp_path),
-                   "--run-name", "a", cwd=tmp_path, timeout=300)
+                   "--run-name", "a", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "esft: prompts: arithmetic's question in a user turn, through ChatML text" in proc.stderr
     rows = read_jsonl(tmp_path / "a" / "metrics.jsonl")
@@ -146,7 +146,7 @@ def test_the_smollm2_recipe_config_is_what_its_docs_say(tiny_model_dir, tmp_path
     assert (settings["rank"], settings["iterations"]) == (4, 12)  # docs/models.md's table: +29.5 over seeds 0-3
     proc, _ = esft("train", "--config", str(recipe), "--model", str(tiny_model_dir), "--iterations", "1",
                    "--population-size", "2", "--batch-size", "2", "--eval-size", "4", "--max-tokens", "4", "--no-progress",
-                   "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path, timeout=300)
+                   "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
     assert (config["task"], config["noise"], config["sigma"], config["alpha"]) == ("times-table", "lowrank", 0.01, 0.005)

@@ -22,7 +22,7 @@ from esft.tasks.base import TaskError
 from esft.tasks.countdown import final_answer as countdown_answer
 from esft.tasks.arithmetic import final_answer as arithmetic_answer
 from esft.tasks.math_grading import final_answer as math_answer
-from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
+from test_cli import assert_user_error, esft, esft_process, read_jsonl, safetensors_of
 from toy_task import byte_reward, exact_answer, toy_rows
 
 QUIET = dict(max_tokens=3, eval_batch_size=8, progress=False, logging="none", reward_sandbox=False)
@@ -237,8 +237,8 @@ def test_esft_train_randopt_writes_seeds_scores_and_a_model_and_esft_eval_votes(
     flags = ["--model", str(tiny_model_dir), "--task", "arithmetic", "--population-size", "4", "--randopt-top-k", "2",
              "--validation-size", "2", "--max-tokens", "3", "--eval-size", "3", "--no-progress", "--logging", "none",
              "--sigma", "0.05"]
-    proc, _ = esft("train", "--algorithm", "randopt", *flags, "--output-dir", str(tmp_path), "--run-name", "r",
-                   cwd=tmp_path)
+    proc, _ = esft_process("train", "--algorithm", "randopt", *flags, "--output-dir", str(tmp_path), "--run-name", "r",
+                           cwd=tmp_path)  # RandOpt's path end to end, as a user runs it; the rest in this process
     assert proc.returncode == 0, proc.stderr
     run = tmp_path / "r"
     record = json.loads((run / "randopt.json").read_text())

@@ -32,17 +32,6 @@ from esft.trainer import ESTrainer  # noqa: E402
 SETTINGS = dict(population_size=8, batch_size=4, max_tokens=12, sigma=0.05, device="cpu", logging="none", progress=False)
 
 
-@pytest.fixture(scope="session")
-def ray_cluster():
-    """One local Ray instance for the session (4 logical CPUs: 2 actors plus a replacement)."""
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a `ray start` one
-    yield
-    if started:
-        ray.shutdown()
-
-
 def toy_task() -> Task:
     return Task(name="toy", train_dataset=toy_rows(20), eval_datasets={"heldout": toy_rows(4, start=1000)},
                 reward_funcs=[byte_reward])
@@ -373,9 +362,9 @@ def test_without_ray_address_esft_starts_its_own_ray_beside_a_running_cluster(tm
 
 def test_actors_no_local_cluster_can_place_are_refused_in_one_line(tiny_model_dir, tmp_path):
     """More GPUs per actor than any machine has: exit 2 and one line at once, not a run waiting forever."""
-    from test_cli import assert_user_error, esft
+    from test_cli import assert_user_error, esft_process
 
-    proc, _ = esft("train", "--model", str(tiny_model_dir), "--executor", "ray", "--ray-gpus-per-worker", "64",
+    proc, _ = esft_process("train", "--model", str(tiny_model_dir), "--executor", "ray", "--ray-gpus-per-worker", "64",
                    "--iterations", "1", "--logging", "none", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path,
                    timeout=180)
     gpus = torch.cuda.device_count()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -107,8 +108,8 @@ def clusters(monkeypatch):
 
 @pytest.mark.slow
 def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later_is_used(clusters, tiny_model_dir):
-    """A worker node removed while both actors evaluate members: its actor's member is re-run on the
-    surviving node's actor; no node has room for a replacement (one line), so the run goes on with
+    """A worker node removed while both actors evaluate members: its actor's member (unless it had just
+    returned it) is re-run on the surviving node's actor; no node has room for a replacement (one line), so the run goes on with
     one actor; a node added later takes the replacement, which synchronises and evaluates members.
     Rewards and weights are bitwise those of an undisturbed (local) run throughout."""
     cluster = clusters(2)
@@ -135,7 +136,11 @@ def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later
         del executor._member_done
         assert lost not in cluster.worker_nodes and ours == theirs and len(set(ours)) > 1
         events = "\n".join(executor.events)
-        assert "actor 1 (pid" in events and "died while evaluating member" in events
+        # Actor 1 was busy with a member when its node went, or (the two actors work in step, so under load its
+        # result can already be on its way) had just returned it: then its death is found at the update. Either
+        # way its members are scored once, by someone (ours == theirs above); re-running a dead actor's member
+        # every time: test_ray.py's actor killed mid-iteration.
+        assert re.search(r"actor 1 \(pid \d+ on [\d.]+\) died (while evaluating member \d+|during the update)", events), events
         assert "no node has room for a replacement of actor 1 (1 CPU needed, 0 CPU free; a node was lost?): " \
                "going on with 1 actor" in events
         assert executor.slots[1].actor is None and executor.checksum() == local.engine.checksum()

@@ -19,6 +19,7 @@ from esft.engines.base import NonFiniteWeights
 from esft.engines.transformers_engine import TransformersEngine
 import sandbox_rewards as R
 from esft.rewards.runner import RewardRunner
+from cli_runner import run_esft_here
 from tiny_model import build_tiny_model, subprocess_env
 
 TESTS = Path(__file__).parent
@@ -40,7 +41,17 @@ def toy(model: Path, out: Path, *extra: str) -> list[str]:
             *extra]
 
 
-def run(argv: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """The command line `argv` (`python tests/toy_task.py ...` or `python -m esft.cli ...`) in this process
+    (tests/cli_runner.py); what needs a process of its own (a lock held by another process, a kill) uses
+    run_process or Popen."""
+    if argv[1] == str(TESTS / "toy_task.py"):
+        return run_esft_here(*argv[2:], cwd=cwd, env=ENV, script=TESTS / "toy_task.py")
+    assert argv[1:3] == ["-m", "esft.cli"], argv
+    return run_esft_here(*argv[3:], cwd=cwd, env=ENV)
+
+
+def run_process(argv: list[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(argv, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
@@ -83,7 +94,7 @@ def test_an_explicit_run_name_in_use_is_refused(lively_model_dir, tmp_path):
 
     held = open_run(ESConfig(output_dir=str(tmp_path), run_name="busy"))  # this process holds it
     try:
-        proc = run(toy(lively_model_dir, tmp_path, "--run-name", "busy", "--iterations", "1"), tmp_path)
+        proc = run_process(toy(lively_model_dir, tmp_path, "--run-name", "busy", "--iterations", "1"), tmp_path)
         one_error_line(proc, "--run-name", f"{tmp_path / 'busy'} is in use by another esft process (pid {os.getpid()})")
     finally:
         held.discard_if_unused()  # claimed, never trained: its config.yaml (written at the claim) goes with it

@@ -87,6 +87,8 @@ def test_a_reward_service_that_dies_mid_run_stops_the_run_at_that_iteration(tiny
 
 @pytest.mark.slow
 def test_skipping_a_named_failing_reward_is_explicit_and_said_every_iteration(tiny_model_dir, tiny_reward_model_dir, tmp_path):
+    """--reward-skip-failing names a reward; the service behind it killed in iteration 2, the run goes on without it
+    and says so every iteration (slow: a real reward server process and a run that waits out its deadline)."""
     proc, url = start_server(tiny_reward_model_dir)
     name = "remote:" + url.removeprefix("http://")
     try:
@@ -107,6 +109,8 @@ def test_skipping_a_named_failing_reward_is_explicit_and_said_every_iteration(ti
 # ------------------------------------------------------------------ 2. a restart rides on the deadline
 @pytest.mark.slow
 def test_a_service_restart_mid_run_is_waited_for_and_costs_nothing(tiny_model_dir, tiny_reward_model_dir, tmp_path):
+    """The reward server killed mid-run and restarted seconds later: the run waits for it and loses no sample
+    (slow: a real server is started twice and the run waits for the restart)."""
     port = free_port()
     proc, url = start_server(tiny_reward_model_dir, port=port)
     run = train(tmp_path, tiny_model_dir, url, "--iterations", "3", kill_pid=proc.pid, kill_at=4, background=True, progress=True)
@@ -146,6 +150,8 @@ def test_the_retry_deadline_is_a_flag_and_a_refused_connection_is_named(tmp_path
 # ------------------------------------------------- 3. a failed final evaluation keeps the training row
 @pytest.mark.slow
 def test_a_killed_final_evaluation_resumes_to_the_rows_of_an_uninterrupted_run(tiny_model_dir, tiny_reward_model_dir, tmp_path):
+    """The service killed during the final evaluation; the resumed run's rows are the uninterrupted run's (slow:
+    a real server and three runs)."""
     port = free_port()
     proc, url = start_server(tiny_reward_model_dir, port=port)
     try:

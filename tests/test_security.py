@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from cli_runner import run_esft, run_esft_here
 from tiny_model import subprocess_env
 
 TESTS = Path(__file__).parent
@@ -21,10 +21,14 @@ ENV = subprocess_env()
 VICTIM_BYTES = b"precious data that is not esft's\n"
 
 
-def esft(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
-    """The CLI in a fresh interpreter (tests/toy_task.py registers the toy task first)."""
-    return subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *argv], cwd=cwd, env=ENV, capture_output=True,
-                          text=True, timeout=timeout)
+def esft(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python tests/toy_task.py ARGV` (the toy task registered first) in this process (tests/cli_runner.py)."""
+    return run_esft_here(*argv, cwd=cwd, env=ENV, script=TESTS / "toy_task.py")
+
+
+def esft_process(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """The same in a fresh interpreter, as a user runs it."""
+    return run_esft(*argv, cwd=cwd, env=ENV, script=TESTS / "toy_task.py", timeout=timeout)
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *expected: str) -> str:
@@ -98,7 +102,7 @@ def test_a_resumed_run_refuses_links_it_would_write_through(tmp_path, victim):
 def small_run(tiny_model_dir, tmp_path_factory) -> Path:
     """A 2-iteration toy run with checkpoint-1, checkpoint-2 and final/ (copied by the tests that change it)."""
     out = tmp_path_factory.mktemp("small-run")
-    proc = esft("train", "--model", str(tiny_model_dir), "--task", "toy", "--population-size", "2", "--batch-size", "2",
+    proc = esft_process("train", "--model", str(tiny_model_dir), "--task", "toy", "--population-size", "2", "--batch-size", "2",
                 "--max-tokens", "4", "--eval-size", "2", "--train-size", "8", "--eval-batch-size", "2", "--logging", "none",
                 "--no-progress", "--output-dir", str(out), "--run-name", "run", "--iterations", "2", "--save-every", "1",
                 cwd=out)

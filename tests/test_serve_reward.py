@@ -254,7 +254,7 @@ def test_a_killed_server_costs_failures_a_restarted_one_is_picked_up_a_full_one_
 
 
 def test_bad_server_settings_are_one_line_errors(tiny_reward_model_dir, tmp_path):
-    from test_cli import assert_user_error
+    from test_cli import assert_user_error, esft_process as esft  # processes: a server that started would keep serving
 
     proc, _ = esft("serve-reward", "--model", str(tiny_reward_model_dir), "--api-key-env", "ESFT_NO_SUCH_VARIABLE", cwd=tmp_path)
     assert_user_error(proc, "--api-key-env: the environment variable ESFT_NO_SUCH_VARIABLE is not set")

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cli_runner import run_esft, run_esft_here
 from test_security import ENV, TESTS, copy_run, edit_state, one_error_line, small_run  # noqa: F401 - a fixture
 
 API_KEY = "sekrit-key-of-the-user"
@@ -25,10 +26,15 @@ HANG = 120
 or right after)."""
 
 
-def esft(*argv: str, cwd: Path, timeout: float = HANG) -> subprocess.CompletedProcess:
-    env = {**ENV, "ESFT_REWARD_API_KEY": API_KEY}
-    return subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def esft(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+    """`python tests/toy_task.py ARGV` with the user's reward API key set, in this process (tests/cli_runner.py)."""
+    return run_esft_here(*argv, cwd=cwd, env={**ENV, "ESFT_REWARD_API_KEY": API_KEY}, script=TESTS / "toy_task.py")
+
+
+def esft_process(*argv: str, cwd: Path, timeout: float = HANG) -> subprocess.CompletedProcess:
+    """The same in a process of its own, for what could hang: a hang is a failed test, not a stuck suite."""
+    return run_esft(*argv, cwd=cwd, env={**ENV, "ESFT_REWARD_API_KEY": API_KEY}, script=TESTS / "toy_task.py",
+                    timeout=timeout)
 
 
 @pytest.fixture
@@ -111,28 +117,28 @@ def test_a_hard_link_in_a_run_is_never_written_through(small_run, tmp_path):
     assert outside.read_bytes() == before
 
 
-def test_named_pipes_and_devices_in_a_run_never_hang_or_flood_esft(small_run, tmp_path):
+def test_named_pipes_and_devices_in_a_run_never_hang_or_flood_esft_process(small_run, tmp_path):
     run = copy_run(small_run, tmp_path)
     (run / "metrics.jsonl").unlink()
     os.mkfifo(run / "metrics.jsonl")
-    one_error_line(esft("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path), "named pipes", "metrics.jsonl")
+    one_error_line(esft_process("train", "--resume", str(run), "--iterations", "3", cwd=tmp_path), "named pipes", "metrics.jsonl")
     (run / "checkpoint-1" / "model.safetensors").unlink()  # in a checkpoint: whatever loads it would hang
     os.mkfifo(run / "checkpoint-1" / "model.safetensors")
-    one_error_line(esft("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "model.safetensors is a named pipe")
+    one_error_line(esft_process("train", "--resume", str(run / "checkpoint-1"), cwd=tmp_path), "model.safetensors is a named pipe")
     fresh = tmp_path / "fresh"  # a run without checkpoints: its config.yaml is read first
     fresh.mkdir()
     os.mkfifo(fresh / "config.yaml")
-    one_error_line(esft("train", "--resume", str(fresh), cwd=tmp_path), "config.yaml cannot be read (a named pipe")
+    one_error_line(esft_process("train", "--resume", str(fresh), cwd=tmp_path), "config.yaml cannot be read (a named pipe")
     # esft report: status.json a pipe, then a link to /dev/zero: the report is written all the same
     report_run = copy_run(small_run, tmp_path / "r")
     for plant in (os.mkfifo, lambda path: os.symlink("/dev/zero", path)):
         (report_run / "status.json").unlink(missing_ok=True)
         plant(report_run / "status.json")
-        proc = esft("report", str(report_run), cwd=tmp_path)
+        proc = esft_process("report", str(report_run), cwd=tmp_path)
         assert proc.returncode == 0 and (report_run / "report.html").is_file(), proc.stderr[-2000:]
     (report_run / "metrics.jsonl").unlink()
     os.symlink("/dev/zero", report_run / "metrics.jsonl")
-    one_error_line(esft("report", str(report_run), cwd=tmp_path), "metrics.jsonl", "symbolic link")
+    one_error_line(esft_process("report", str(report_run), cwd=tmp_path), "metrics.jsonl", "symbolic link")
 
 
 def test_a_pipe_named_as_eval_data_is_one_line_even_when_trusted(small_run, tmp_path):
@@ -140,7 +146,7 @@ def test_a_pipe_named_as_eval_data_is_one_line_even_when_trusted(small_run, tmp_
     pipe = tmp_path / "rows.jsonl"
     os.mkfifo(pipe)
     edit_state(run / "final", lambda s: s["config"].update(task="custom", eval_data=str(pipe), reward_funcs=None))
-    proc = esft("eval", "--model", str(run / "final"), "--trust-run-code", "--logging", "none", "--output-dir",
+    proc = esft_process("eval", "--model", str(run / "final"), "--trust-run-code", "--logging", "none", "--output-dir",
                 str(tmp_path / "out"), "--reward-funcs", str(TESTS / "sandbox_rewards.py") + ":length_reward", cwd=tmp_path)
     assert f"--trust-run-code: taking the code, data and services that --model {run / 'final'} names: --eval-data {pipe}" \
         in proc.stderr

