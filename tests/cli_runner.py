@@ -21,8 +21,6 @@ from pathlib import Path
 
 from tiny_model import subprocess_env
 
-TESTS = Path(__file__).parent
-
 
 def run_esft(*argv: str, cwd: Path, env: dict[str, str] | None = None, script: Path | None = None,
              timeout: float = 300) -> subprocess.CompletedProcess:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
 # vLLM's CPU KV cache, GiB per engine (esft's default is 2): the smallest it takes is plenty for the tests'
 # few short rows. The two workers hold up to six engines at once (the vLLM worker's session engine and a
 # test's own; on the Ray worker a session engine and two Ray actors', which inherit this environment): at
@@ -23,7 +24,6 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2` (the README's test co
     torch.set_num_threads(1)  # each with one torch thread; two threads per worker oversubscribe 2 cores
 
 
-TESTS = Path(__file__).parent
 MODULE_FIXTURE_FILES = frozenset(path.name for path in TESTS.glob("test_*.py") if 'scope="module"' in path.read_text())
 """Test files with a module-scoped fixture (a trained run, a server, a built site): their tests run on one
 worker, so that the fixture is built once, not once per worker."""

@@ -292,33 +292,26 @@ def test_cli_refuses_bad_variant_settings_in_one_line(tmp_path, flags, expected)
 
 # ------------------------------------------------------------------ Ray = local
 @pytest.mark.slow
-def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(lively_model_dir, tmp_path):
+def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(ray_cluster, lively_model_dir, tmp_path):
     """Every variant on Ray (2 actors) ends with the local run's weights (slow: Ray actors start and load the model)."""
-    ray = pytest.importorskip("ray", reason="install esft[ray] to test the Ray executor")
     from esft.trainer import ESTrainer
 
-    started = not ray.is_initialized()
-    if started:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)  # never a `ray start` one
-    try:
-        finals = {}
-        for executor in ("local", "ray"):
-            args = ESConfig(model=str(lively_model_dir), executor=executor, workers=2 if executor == "ray" else 1,
-                            iterations=2, population_size=4, batch_size=4, max_tokens=8, sigma=SIGMA, device="cpu",
-                            antithetic=True, sigma_schedule="linear:0.5", alpha_schedule="cosine:0.2",
-                            reward_shaping="per_prompt", population_batching=False, eval_batch_size=4, save_every=0,
-                            logging="none", progress=False, output_dir=str(tmp_path), run_name=executor)
-            trainer = ESTrainer(model=str(lively_model_dir), reward_funcs=[byte_reward], args=args,
-                                train_dataset=toy_rows(20), eval_dataset=toy_rows(4, start=1000))
-            trainer.train()
-            finals[executor] = load_file(str(tmp_path / executor / "final" / "model.safetensors"))
-            if executor == "ray":
-                trainer.executor.close()
-        start = load_file(str(lively_model_dir / "model.safetensors"))
-        assert any(not torch.equal(finals["ray"][n], start[n]) for n in start)
-        assert all(torch.equal(finals["local"][n], finals["ray"][n]) for n in start)
-        sigmas = {run: [row["es/sigma"] for row in rows_of(tmp_path / run) if "es/sigma" in row] for run in finals}
-        assert sigmas["local"] == sigmas["ray"] == [SIGMA, SIGMA * 0.5]
-    finally:
-        if started:
-            ray.shutdown()
+    finals = {}
+    for executor in ("local", "ray"):
+        args = ESConfig(model=str(lively_model_dir), executor=executor, workers=2 if executor == "ray" else 1,
+                        iterations=2, population_size=4, batch_size=4, max_tokens=8, sigma=SIGMA, device="cpu",
+                        antithetic=True, sigma_schedule="linear:0.5", alpha_schedule="cosine:0.2",
+                        reward_shaping="per_prompt", population_batching=False, eval_batch_size=4, save_every=0,
+                        logging="none", progress=False, output_dir=str(tmp_path), run_name=executor)
+        trainer = ESTrainer(model=str(lively_model_dir), reward_funcs=[byte_reward], args=args,
+                            train_dataset=toy_rows(20), eval_dataset=toy_rows(4, start=1000))
+        trainer.train()
+        finals[executor] = load_file(str(tmp_path / executor / "final" / "model.safetensors"))
+        if executor == "ray":
+            trainer.executor.close()
+    start = load_file(str(lively_model_dir / "model.safetensors"))
+    assert any(not torch.equal(finals["ray"][n], start[n]) for n in start)
+    assert all(torch.equal(finals["local"][n], finals["ray"][n]) for n in start)
+    sigmas = {run: [row["es/sigma"] for row in rows_of(tmp_path / run) if "es/sigma" in row] for run in finals}
+    assert sigmas["local"] == sigmas["ray"] == [SIGMA, SIGMA * 0.5]
+

@@ -109,8 +109,9 @@ def clusters(monkeypatch):
 @pytest.mark.slow
 def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later_is_used(clusters, tiny_model_dir):
     """A worker node removed while both actors evaluate members: its actor's member (unless it had just
-    returned it) is re-run on the surviving node's actor; no node has room for a replacement (one line), so the run goes on with
-    one actor; a node added later takes the replacement, which synchronises and evaluates members.
+    returned it) is re-run on the surviving node's actor; no node has room for a replacement (one line), so
+    the run goes on with one actor; a node added later takes the replacement, which synchronises and
+    evaluates members.
     Rewards and weights are bitwise those of an undisturbed (local) run throughout."""
     cluster = clusters(2)
     ray.init(address=cluster.address, log_to_driver=False)

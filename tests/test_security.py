@@ -21,14 +21,14 @@ ENV = subprocess_env()
 VICTIM_BYTES = b"precious data that is not esft's\n"
 
 
-def esft(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
+def esft(*argv: str, cwd: Path, env: dict[str, str] = ENV) -> subprocess.CompletedProcess:
     """`python tests/toy_task.py ARGV` (the toy task registered first) in this process (tests/cli_runner.py)."""
-    return run_esft_here(*argv, cwd=cwd, env=ENV, script=TESTS / "toy_task.py")
+    return run_esft_here(*argv, cwd=cwd, env=env, script=TESTS / "toy_task.py")
 
 
-def esft_process(*argv: str, cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+def esft_process(*argv: str, cwd: Path, env: dict[str, str] = ENV, timeout: float = 180) -> subprocess.CompletedProcess:
     """The same in a fresh interpreter, as a user runs it."""
-    return run_esft(*argv, cwd=cwd, env=ENV, script=TESTS / "toy_task.py", timeout=timeout)
+    return run_esft(*argv, cwd=cwd, env=env, script=TESTS / "toy_task.py", timeout=timeout)
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *expected: str) -> str:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cli_runner import run_esft, run_esft_here
 from test_security import ENV, TESTS, copy_run, edit_state, one_error_line, small_run  # noqa: F401 - a fixture
+from test_security import esft as security_esft, esft_process as security_esft_process
 
 API_KEY = "sekrit-key-of-the-user"
 HANG = 120
@@ -26,15 +26,17 @@ HANG = 120
 or right after)."""
 
 
+USER_ENV = {**ENV, "ESFT_REWARD_API_KEY": API_KEY}
+
+
 def esft(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
     """`python tests/toy_task.py ARGV` with the user's reward API key set, in this process (tests/cli_runner.py)."""
-    return run_esft_here(*argv, cwd=cwd, env={**ENV, "ESFT_REWARD_API_KEY": API_KEY}, script=TESTS / "toy_task.py")
+    return security_esft(*argv, cwd=cwd, env=USER_ENV)
 
 
 def esft_process(*argv: str, cwd: Path, timeout: float = HANG) -> subprocess.CompletedProcess:
     """The same in a process of its own, for what could hang: a hang is a failed test, not a stuck suite."""
-    return run_esft(*argv, cwd=cwd, env={**ENV, "ESFT_REWARD_API_KEY": API_KEY}, script=TESTS / "toy_task.py",
-                    timeout=timeout)
+    return security_esft_process(*argv, cwd=cwd, env=USER_ENV, timeout=timeout)
 
 
 @pytest.fixture
@@ -117,7 +119,7 @@ def test_a_hard_link_in_a_run_is_never_written_through(small_run, tmp_path):
     assert outside.read_bytes() == before
 
 
-def test_named_pipes_and_devices_in_a_run_never_hang_or_flood_esft_process(small_run, tmp_path):
+def test_named_pipes_and_devices_in_a_run_never_hang_or_flood_esft(small_run, tmp_path):
     run = copy_run(small_run, tmp_path)
     (run / "metrics.jsonl").unlink()
     os.mkfifo(run / "metrics.jsonl")
@@ -147,7 +149,7 @@ def test_a_pipe_named_as_eval_data_is_one_line_even_when_trusted(small_run, tmp_
     os.mkfifo(pipe)
     edit_state(run / "final", lambda s: s["config"].update(task="custom", eval_data=str(pipe), reward_funcs=None))
     proc = esft_process("eval", "--model", str(run / "final"), "--trust-run-code", "--logging", "none", "--output-dir",
-                str(tmp_path / "out"), "--reward-funcs", str(TESTS / "sandbox_rewards.py") + ":length_reward", cwd=tmp_path)
+                        str(tmp_path / "out"), "--reward-funcs", str(TESTS / "sandbox_rewards.py") + ":length_reward", cwd=tmp_path)
     assert f"--trust-run-code: taking the code, data and services that --model {run / 'final'} names: --eval-data {pipe}" \
         in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("esft: error:")]
