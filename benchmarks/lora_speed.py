@@ -79,11 +79,11 @@ def main() -> None:
             engine = engines[lora]
             engine.noise, engine.mini_batch_size = noise, args.batched_mini_batch_size if batched else None
             sigma = args.sigma_lora if lora else args.sigma_full
-            executor = LocalExecutor(engine, rewards.score, sigma, population_batching=batched, overlap_rewards=False)
+            executor = LocalExecutor(engine, rewards.score, population_batching=batched, overlap_rewards=False)
             state = ESState(0, round_index)
             wall, cpu = time.perf_counter(), time.process_time()
             seeds = PAPER.ask(state, args.population)
-            members = executor.evaluate_population(seeds, batch)
+            members = executor.evaluate_population(seeds, batch, sigma)
             _, coefficients = PAPER.tell(state, [m.reward for m in members], sigma / 2)
             executor.update(seeds, coefficients)
             results[label].append((time.process_time() - cpu, time.perf_counter() - wall, sum(m.num_tokens for m in members)))

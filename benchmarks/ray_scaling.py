@@ -89,7 +89,8 @@ def main() -> None:
                 started = time.perf_counter()
                 state = ESState(0, iteration)
                 seeds = PAPER.ask(state, args.population)
-                members = executor.evaluate_population(seeds, prompt_batch(task.train_dataset, 0, args.batch, iteration))
+                members = executor.evaluate_population(seeds, prompt_batch(task.train_dataset, 0, args.batch, iteration),
+                                                        config.sigma)
                 evaluated = time.perf_counter() - started
                 _, coefficients = PAPER.tell(state, [m.reward for m in members], config.alpha)
                 executor.update(seeds, coefficients)

@@ -152,15 +152,15 @@ class EsftPath:
         self.rewards = RewardRunner([countdown_reward], sandbox=False)
         settings = ESConfig(noise=self.engine.noise, population_batching=False if name == "sequential" else "auto")
         batched = resolve_population_batching(settings, lambda: population_batching_problem(self.engine))
-        self.executor = LocalExecutor(self.engine, self.rewards.score, args.sigma, population_batching=batched)
-        self.alpha = args.sigma / 2
+        self.executor = LocalExecutor(self.engine, self.rewards.score, population_batching=batched)
+        self.sigma, self.alpha = args.sigma, args.sigma / 2
         self.initial = self.engine.master_state()
 
     def iteration(self, seeds, batch) -> list[float]:
         from esft.es.strategies.base import ESState
         from esft.es.strategies.paper import STRATEGY as PAPER
 
-        members = self.executor.evaluate_population(seeds, batch)
+        members = self.executor.evaluate_population(seeds, batch, self.sigma)
         _, coefficients = PAPER.tell(ESState(0, 0), [m.reward for m in members], self.alpha)
         self.executor.update(seeds, coefficients)
         return [m.reward for m in members]

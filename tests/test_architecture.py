@@ -56,9 +56,8 @@ FORBIDDEN = {
     # (the ES choices come from esft.es's registries: ALLOWED)
     "esft.settings": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
                       "esft.runs", "esft.loop", "esft.grpo", "esft.es"),
-    "esft.settings.fields": ("esft.settings.config", "esft.settings.variants"),
-    "esft.settings.rules": ("esft.settings.config", "esft.settings.fields", "esft.settings.variants"),
-    "esft.settings.variants": ("esft.settings.config",),
+    "esft.settings.fields": ("esft.settings.config", "esft.settings.rules"),  # the definition: below its rules
+    "esft.settings.rules": ("esft.settings.config",),
     "esft.settings.trl_names": ("esft.",),
     # a GGUF file or a registry wheel made into a model folder: below settings (model_path, rules use it)
     "esft.models": ("esft.trainer", "esft.cli", "esft.executors", "esft.engines", "esft.tasks", "esft.rewards",
@@ -69,13 +68,13 @@ ALLOWED = {
     "esft.es.noise": ("esft.es.strategies.antithetic",),
     "esft.es.strategies": ("esft.es.fitness", "esft.es.shaping"),
     "esft.es.shaping": ("esft.es.fitness",),
-    "esft.settings": ("esft.es.fitness", "esft.es.noise", "esft.es.optimizers", "esft.es.shaping",
-                      "esft.es.strategies", "esft.engines.registry"),
+    "esft.settings": ("esft.es.fitness", "esft.es.noise", "esft.es.optimizers", "esft.es.schedules",
+                      "esft.es.shaping", "esft.es.strategies", "esft.engines.registry"),
     "esft.rewards": ("esft.es.fitness",),
 }
 """Exceptions to FORBIDDEN: a negative member seed is a mirrored one (strategies.antithetic.mirror), and the noise
 must know how to undo it; tell shapes a Fitness with the shaping registry; the settings' ES choices are
-esft.es's registries (one list of each) and the engines' what esft.engines.registry says of each; a Scores'
+esft.es's registries (one list of each), a schedule is what esft.es.schedules parses, and the engines' what esft.engines.registry says of each; a Scores'
 mean is fitness's mean. All of these are pure."""
 
 
@@ -227,3 +226,24 @@ def test_an_in_process_engine_is_an_engine(tiny_model_dir):
     assert engine.embedding_rows() == len(engine.tokenizer) == 258 and engine.feeds_padding()
     engine.model.resize_token_embeddings(100)
     assert engine.embedding_rows() == 100  # read from the model, not from its config at load
+
+
+@pytest.mark.parametrize("room", ["esft.tasks.building:TaskSettings", "esft.rewards.runner:SandboxSettings"])
+def test_a_rooms_settings_are_esconfig_fields_of_the_same_names_and_defaults(room):
+    """A room receives its own settings (esft.settings.config.settings_for), each an ESConfig field of that name
+    with ESConfig's default: a field renamed or re-defaulted on one side only fails here."""
+    import dataclasses
+    import importlib
+
+    from esft import ESConfig
+    from esft.settings.config import settings_for
+
+    module, _, name = room.partition(":")
+    settings = getattr(importlib.import_module(module), name)
+    fields = {f.name: f for f in dataclasses.fields(ESConfig)}
+    for field in dataclasses.fields(settings):
+        assert field.name in fields, f"{name}.{field.name} is no ESConfig setting"
+        assert field.default == fields[field.name].default, field.name
+    config = ESConfig(seed=5, reward_timeout=3.0)
+    taken = settings_for(settings, config)
+    assert all(getattr(taken, f.name) == getattr(config, f.name) for f in dataclasses.fields(settings))

@@ -122,14 +122,14 @@ def test_members_whose_prompts_fill_a_call_run_one_at_a_time_with_their_weights_
     batch = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 12, 0)
     scorer = RewardRunner([countdown_reward], sandbox=False).score
     seeds = [11, 12, 13]
-    sequential = LocalExecutor(iid_engine, scorer, 2e-3).evaluate_population(seeds, batch)
+    sequential = LocalExecutor(iid_engine, scorer).evaluate_population(seeds, batch, 2e-3)
     monkeypatch.setattr(sizing, "auto_rows", lambda model, sequence_length: 12)  # one member's 12 prompts fill a call
 
     def no_copies(*args):
         raise AssertionError("members were batched")
 
     monkeypatch.setattr(fullrank_population.FullRankPopulation, "__init__", no_copies)
-    batched = LocalExecutor(iid_engine, scorer, 2e-3, population_batching=True).evaluate_population(seeds, batch)
+    batched = LocalExecutor(iid_engine, scorer, population_batching=True).evaluate_population(seeds, batch, 2e-3)
     assert [(m.seed, m.reward, m.num_tokens) for m in batched] == [(m.seed, m.reward, m.num_tokens) for m in sequential]
 
 

@@ -145,6 +145,17 @@ def test_the_committed_reference_pages_are_what_the_code_makes_now():
         assert (DOCS / path).read_text() == page(), f"docs/{path} is out of date: run python docs/gen_reference.py"
 
 
+def test_the_algorithm_page_has_a_row_for_every_reward_shaping_and_no_other():
+    """docs/algorithm.md's --reward-shaping table names exactly the registry's shapings (a registered one added
+    without its row, or a row left after one is removed, fails here)."""
+    from esft.es.shaping import REWARD_SHAPING
+
+    page = (DOCS / "algorithm.md").read_text()
+    table = page[page.index("| `--reward-shaping` | zᵢ |"):].split("\n\n")[0]
+    rows = re.findall(r"^\| `([a-z_]+)`", table, flags=re.MULTILINE)
+    assert rows == list(REWARD_SHAPING)
+
+
 def test_the_cli_reference_has_every_command():
     page = generator().cli_page()
     for command in ("train", "eval", "report", "serve-reward"):

@@ -50,7 +50,11 @@ EXPECTED_SHAPING = {
     # the matrix below: prompt 1's column is the rewards (z-scored), prompt 2 is constant (0): averaged
     "per_prompt": lambda r: (r - r.mean()) / (r.std() + 1e-8) / 2,
     "centered": lambda r: r - r.mean(),
+    # prompt 1's column centred, prompt 2 constant (0): averaged
+    "per_prompt_centered": lambda r: (r - r.mean()) / 2,
 }
+PROMPT_WISE = {"per_prompt", "per_prompt_centered"}
+"""The shapings whose expectation above is written in prompt 1's rewards (they compare members prompt by prompt)."""
 
 
 @pytest.mark.parametrize("shaping", list(REWARD_SHAPING))
@@ -73,7 +77,7 @@ def test_every_reward_shaping(shaping):
                 assert shaped[i] > shaped[j]
     assert shaped[0] == shaped[3]
     if EXPECTED_SHAPING[shaping] is not None:
-        expected = EXPECTED_SHAPING[shaping](rewards if entry.needs_shared_prompts else member)
+        expected = EXPECTED_SHAPING[shaping](rewards if shaping in PROMPT_WISE else member)
         np.testing.assert_allclose(shaped, expected, rtol=0, atol=1e-12)
     else:
         np.testing.assert_allclose(shaped, [-0.125, 0.5, -0.5, -0.125, 0.25])
@@ -88,6 +92,13 @@ def test_every_reward_shaping(shaping):
         with pytest.raises(ValueError, match="same prompts"):
             PAPER.tell(PAPER.init(0), apart, alpha=0.01, shaping=shaping)
         with pytest.raises(ValueError, match="same prompts"):  # only member fitness, no prompts
+            PAPER.tell(PAPER.init(0), member.tolist(), alpha=0.01, shaping=shaping)
+    elif entry.needs_prompts:  # centred among the members scored on each prompt: member 2 alone on prompts 2, 3
+        others = rewards[[0, 1, 3, 4]]
+        np.testing.assert_allclose(entry(apart), [(rewards[0] - others.mean()) / 2, (rewards[1] - others.mean()) / 2, 0.0,
+                                                  (rewards[3] - others.mean()) / 2, (rewards[4] - others.mean()) / 2],
+                                   rtol=0, atol=1e-12)
+        with pytest.raises(ValueError, match="prompt of each entry"):  # only member fitness, no prompts
             PAPER.tell(PAPER.init(0), member.tolist(), alpha=0.01, shaping=shaping)
     else:
         assert PAPER.tell(PAPER.init(0), apart, 0.01, shaping)[1] == coefficients

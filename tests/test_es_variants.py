@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from esft.settings.config import ESConfig
+from esft.settings.config import ConfigError, ESConfig
 from esft.engines.transformers_engine import TransformersEngine
 from esft.es import schedules
 from esft.es.strategies.antithetic import STRATEGY as ANTITHETIC, merge_mirrored, mirror
@@ -124,8 +124,8 @@ def test_population_batching_evaluates_mirrored_members_as_one_at_a_time(lively_
     scorer = RewardRunner([byte_reward], sandbox=False).score
     seeds = ANTITHETIC.ask(PAPER.init(1), 4)
     batch = PromptBatch(0, toy_rows(4))
-    one = LocalExecutor(engine_of(lively_model_dir, noise), scorer, 1.0).evaluate_population(seeds, batch, SIGMA)
-    two = LocalExecutor(engine_of(lively_model_dir, noise), scorer, 1.0, population_batching=True).evaluate_population(
+    one = LocalExecutor(engine_of(lively_model_dir, noise), scorer).evaluate_population(seeds, batch, SIGMA)
+    two = LocalExecutor(engine_of(lively_model_dir, noise), scorer, population_batching=True).evaluate_population(
         seeds, batch, SIGMA)
     assert [(m.seed, m.reward, m.scores.total) for m in one] == [(m.seed, m.reward, m.scores.total) for m in two]
     assert len({m.reward for m in one}) > 1
@@ -208,6 +208,16 @@ def test_schedule_values_at_the_first_middle_and_last_iteration(spec, values):
     assert schedules.scheduled(spec, 0.2, 0, 1) == 0.2  # a one-iteration run: the initial value
     config = ESConfig(sigma=0.2, alpha=0.3, sigma_schedule=spec, alpha_schedule="linear:0", iterations=5)
     assert schedules.step_sizes(config, 2) == (got[1], pytest.approx(0.15))
+
+
+@pytest.mark.parametrize("spec", ["cosine:2", "linear:-1", "constant:", "constant:0.5", "linear:", "cosine:nan",
+                                  "cosine:inf", "exp", "linear:x"])
+def test_a_schedule_the_parser_refuses_is_refused_by_the_settings(spec):
+    """One parser (esft.es.schedules.parse) decides what a schedule is: the settings refuse exactly what it refuses."""
+    with pytest.raises(ValueError):
+        schedules.parse(spec)
+    with pytest.raises(ConfigError, match=r"--alpha-schedule: must be constant, linear, cosine"):
+        ESConfig(alpha_schedule=spec)
 
 
 # ------------------------------------------------------------------ the CLI, resume, metrics

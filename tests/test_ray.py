@@ -46,7 +46,7 @@ def pool(ray_cluster, tiny_model_dir):
     task = toy_task()
     executor = RayExecutor(args, task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
-                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     yield executor, local, args, task
     executor.close()
 
@@ -56,8 +56,8 @@ def step(pool, iteration: int, before_update=None):
     executor, local, args, task = pool
     seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
     rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
-    ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
-    theirs = [m.reward for m in local.evaluate_population(seeds, rows)]
+    ours = [m.reward for m in executor.evaluate_population(seeds, rows, args.sigma)]
+    theirs = [m.reward for m in local.evaluate_population(seeds, rows, args.sigma)]
     _, coefficients = PAPER.tell(ESState(args.seed, iteration), theirs, args.alpha)
     if before_update is not None:
         before_update()
@@ -117,7 +117,7 @@ def test_a_dead_actors_batched_share_is_rerun_elsewhere(ray_cluster, tiny_model_
     task = toy_task()
     executor = RayExecutor(args, task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
-                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     try:
         assert executor.population_batching is True
         pid = executor.slots[1].identity[0]
@@ -164,14 +164,14 @@ def test_population_batching_on_ray_shares_out_the_population_and_matches_local(
     scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
     locals_ = {batched: LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12,
                                                                          noise="lowrank", rank=2),
-                                      scorer, args.sigma, population_batching=batched) for batched in (True, False)}
+                                      scorer, population_batching=batched) for batched in (True, False)}
     try:
         for iteration in range(2):
             seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
             rows = prompt_batch(toy_task().train_dataset, args.seed, args.batch_size, iteration)
-            ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
+            ours = [m.reward for m in executor.evaluate_population(seeds, rows, args.sigma)]
             for local in locals_.values():
-                assert [m.reward for m in local.evaluate_population(seeds, rows)] == ours
+                assert [m.reward for m in local.evaluate_population(seeds, rows, args.sigma)] == ours
             assert len(set(ours)) > 1
             assert [slot.members for slot in executor.slots] == [4, 4]  # one equal share per actor
             _, coefficients = PAPER.tell(ESState(args.seed, iteration), ours, args.alpha)
@@ -219,11 +219,11 @@ def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
     executor = RayExecutor(args, task, str(path))
     try:
         local = LocalExecutor(TransformersEngine.from_pretrained(str(path), device="cpu", max_tokens=12),
-                              lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+                              lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
         seeds = PAPER.ask(ESState(0, 0), 4)
         rows = prompt_batch(task.train_dataset, 0, args.batch_size, 0)
-        ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
-        assert ours == [m.reward for m in local.evaluate_population(seeds, rows)]
+        ours = [m.reward for m in executor.evaluate_population(seeds, rows, args.sigma)]
+        assert ours == [m.reward for m in local.evaluate_population(seeds, rows, args.sigma)]
         executor.update(seeds, [1e-2, -1e-2, 2e-2, 0.0])
         master = executor.engine.master_state()
         local.update(seeds, [1e-2, -1e-2, 2e-2, 0.0])
@@ -245,7 +245,7 @@ def test_adam_on_ray_matches_local_also_after_an_actor_is_replaced(ray_cluster, 
     task = toy_task()
     executor = RayExecutor(args, task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12, optimizer=ADAM),
-                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     executor.replay_limit = 8 if sync == "replay" else 0
     try:
         for iteration in range(3):
@@ -254,8 +254,8 @@ def test_adam_on_ray_matches_local_also_after_an_actor_is_replaced(ray_cluster, 
                 os.kill(pid, signal.SIGKILL)
             seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
             rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
-            ours = [m.reward for m in executor.evaluate_population(seeds, rows)]
-            theirs = [m.reward for m in local.evaluate_population(seeds, rows)]
+            ours = [m.reward for m in executor.evaluate_population(seeds, rows, args.sigma)]
+            theirs = [m.reward for m in local.evaluate_population(seeds, rows, args.sigma)]
             assert ours == theirs
             _, coefficients = PAPER.tell(ESState(args.seed, iteration), theirs, 1.0)
             executor.update(seeds, coefficients, args.alpha)

@@ -121,7 +121,7 @@ def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later
     executor = RayExecutor(args, task, str(tiny_model_dir))
     executor.room_wait = 3.0
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
-                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids), args.sigma)
+                          lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     pool = (executor, local, args, task)
     try:
         placed = ray.get([slot.actor.node_id.remote() for slot in executor.slots])

@@ -274,10 +274,10 @@ def test_population_batching_executor_equals_sequential_executor(tmp_path, noise
     path = build_tiny_model(tmp_path / "model", initializer_range=0.3)
     rows = PromptBatch(0, toy_rows(4))
     scorer = RewardRunner([byte_reward], sandbox=False).score
-    sequential = LocalExecutor(load_engine(path, max_tokens=8, noise=noise), scorer, SIGMA)
-    batched = LocalExecutor(load_engine(path, max_tokens=8, noise=noise), scorer, SIGMA, population_batching=True)
-    one = sequential.evaluate_population(SEEDS, rows)
-    two = batched.evaluate_population(SEEDS, rows)
+    sequential = LocalExecutor(load_engine(path, max_tokens=8, noise=noise), scorer)
+    batched = LocalExecutor(load_engine(path, max_tokens=8, noise=noise), scorer, population_batching=True)
+    one = sequential.evaluate_population(SEEDS, rows, SIGMA)
+    two = batched.evaluate_population(SEEDS, rows, SIGMA)
     assert [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in one] == \
            [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in two]
     assert len({m.reward for m in one}) > 1

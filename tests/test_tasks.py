@@ -200,9 +200,9 @@ def test_rewards_receive_the_generated_completion_ids(tiny_model_dir, batched):
                                                 noise="lowrank" if batched else "iid")
     runner = RewardRunner([R.token_count], timeout=20)
     try:
-        executor = LocalExecutor(engine, runner.score, 0.05, population_batching=batched)
+        executor = LocalExecutor(engine, runner.score, population_batching=batched)
         rows = [{"prompt": p, "completion_ids": "a dataset column of that name is shadowed"} for p in ("ab", "c", "xyz")]
-        members = executor.evaluate_population([5, 6], PromptBatch(0, rows))
+        members = executor.evaluate_population([5, 6], PromptBatch(0, rows), 0.05)
         assert [m.reward for m in members] == [m.num_tokens / len(rows) for m in members]
         assert all(m.scores.errors == 0 for m in members)
         metrics, records = evaluate_split(lambda prompts, sampling: engine.generate(prompts), rows, runner, None,

@@ -181,10 +181,10 @@ def test_same_seed_same_rewards_and_weights_as_transformers(vllm_engine, vllm_mo
     reference = hf_engine(vllm_model_dir)
     rows = PromptBatch(0, toy_rows(6))
     scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
-    executors = [LocalExecutor(vllm_engine, scorer, 0.05), LocalExecutor(reference, scorer, 0.05)]
+    executors = [LocalExecutor(vllm_engine, scorer), LocalExecutor(reference, scorer)]
     for iteration in range(2):
         seeds = PAPER.ask(ESState(0, iteration), 6)
-        rewards = [[m.reward for m in ex.evaluate_population(seeds, rows)] for ex in executors]
+        rewards = [[m.reward for m in ex.evaluate_population(seeds, rows, 0.05)] for ex in executors]
         assert rewards[0] == rewards[1]
         assert len(set(rewards[0])) > 1  # not a trivial all-equal population
         _, coefficients = PAPER.tell(ESState(0, iteration), rewards[0], 0.05)

@@ -35,7 +35,7 @@ def scorer(rows, texts, ids=None):
 def run_both(engines, seeds_of, sigma: float, batched: bool, iterations: int = 2) -> list[list[float]]:
     """Both engines through the trainer's steps: evaluate the mirrored population with σ, shape, merge
     the pairs, update. Returns each iteration's rewards (asserted equal between the engines)."""
-    executors = [LocalExecutor(engine, scorer, 1.0, population_batching=batched) for engine in engines]
+    executors = [LocalExecutor(engine, scorer, population_batching=batched) for engine in engines]
     rows = PromptBatch(0, toy_rows(4))
     history = []
     for iteration in range(iterations):

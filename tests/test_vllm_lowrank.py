@@ -120,12 +120,12 @@ def test_population_matches_transformers_over_updates_with_fresh_adapters(lowran
     engine, reference, _ = lowrank
     rows = PromptBatch(0, toy_rows(4))
     scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
-    executors = [LocalExecutor(engine, scorer, 0.2, population_batching=True),
-                 LocalExecutor(reference, scorer, 0.2, population_batching=True)]
+    executors = [LocalExecutor(engine, scorer, population_batching=True),
+                 LocalExecutor(reference, scorer, population_batching=True)]
     first_id = engine._next_adapter_id
     seeds = PAPER.ask(ESState(0, 0), 4)
     for iteration in range(2):
-        results = [ex.evaluate_population(seeds, rows) for ex in executors]  # the same seeds every iteration
+        results = [ex.evaluate_population(seeds, rows, 0.2) for ex in executors]  # the same seeds every iteration
         rewards = [[m.reward for m in result] for result in results]
         assert rewards[0] == rewards[1]
         assert len(set(rewards[0])) > 1

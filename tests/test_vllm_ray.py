@@ -49,7 +49,7 @@ def run_both(executor: RayExecutor, local: LocalExecutor, args: ESConfig) -> Non
     for iteration in range(args.iterations):
         seeds = PAPER.ask(ESState(args.seed, iteration), args.population_size)
         rows = prompt_batch(task.train_dataset, args.seed, args.batch_size, iteration)
-        ours, theirs = executor.evaluate_population(seeds, rows), local.evaluate_population(seeds, rows)
+        ours, theirs = executor.evaluate_population(seeds, rows, args.sigma), local.evaluate_population(seeds, rows, args.sigma)
         assert [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in ours] == \
                [(m.seed, m.reward, m.num_tokens, m.scores.total) for m in theirs]
         assert len({m.reward for m in ours}) > 1  # the adapters reach the forward pass
@@ -73,7 +73,7 @@ def test_ray_actors_serve_their_lowrank_share_as_adapters_like_the_local_vllm_ru
                     sigma=0.3, **RUN)
     vllm_engine.rank = args.rank
     vllm_engine.configure(trainable=None, noise="lowrank")
-    local = LocalExecutor(vllm_engine, scorer, args.sigma, population_batching=True)
+    local = LocalExecutor(vllm_engine, scorer, population_batching=True)
     capfd.readouterr()
     executor = RayExecutor(args, toy_task(), str(vllm_model_dir))
     try:
@@ -109,7 +109,7 @@ def test_ray_actors_serve_their_lora_es_share_as_adapters_like_the_local_vllm_ru
     engine = build_engine(ESConfig(**lora))
     executor = None
     try:
-        local = LocalExecutor(engine, scorer, args.sigma, population_batching=True)
+        local = LocalExecutor(engine, scorer, population_batching=True)
         executor = RayExecutor(args, toy_task(), str(vllm_model_dir))
         assert executor.population_batching is True
         run_both(executor, local, args)

@@ -13,7 +13,7 @@ from esft.es.optimizers import coefficient_alpha
 from esft.es.strategies import STRATEGIES, ESState
 from esft.es.batches import prompt_batch
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
-from esft.settings.config import ConfigError, ESConfig, es_config, model_path
+from esft.settings.config import ESConfig, es_config, model_path, settings_for
 from esft import console
 from esft.console import progress_bar, report_accuracy, say
 from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_do
@@ -31,13 +31,12 @@ from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
 from esft.rewards.conventions import RewardTrainerState
-from esft.rewards.runner import RewardError, Scores, reward_runners
+from esft.rewards.runner import RewardError, SandboxSettings, Scores, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
-from esft.tasks import TASKS
 from esft.tasks.base import RewardFunc, Task, TaskError
-from esft.tasks.custom import is_spec, task_from_config, task_from_objects
+from esft.tasks.building import TaskSettings, build_task
 from esft.tasks.loading import check_prompts, format_prompts, render_rows
-from esft.tasks.selection import overlap_line, select_rows
+from esft.tasks.selection import overlap_line
 
 CLOSED = "this ESTrainer was closed (close() released its engine): build a new ESTrainer"
 
@@ -71,8 +70,8 @@ class ESTrainer:
             raise TaskError("training needs a train dataset (or --iterations 0 to only evaluate)")
         if args.logging != "none":
             check_backend(args.logging)
-        self.rewards, self.accuracy = reward_runners(self.task, args)
-        self._skip_failing = skip_failing(args, self.rewards.names)
+        self.rewards, self.accuracy = reward_runners(self.task, settings_for(SandboxSettings, args))
+        self._skip_failing = skip_failing(args.reward_skip_failing, self.rewards.names)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
         self.executor = build_executor(args, self.task, self.rewards.score,
                                        lambda: self._build_engine(model, processing_class), model)
@@ -123,21 +122,9 @@ class ESTrainer:
         return build_engine(self.args, model, processing_class)
 
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
-        args = self.args
-        if reward_funcs is None and train_dataset is None and eval_dataset is None:
-            if args.task not in TASKS and args.task != "custom" and not is_spec(args.task):
-                raise TaskError(f"--task: unknown task {args.task!r}; registered tasks: {', '.join(sorted(TASKS))}, "
-                                "or module:function / path/to/file.py:function")
-            if args.reward_weights is not None and not args.custom_rewards():
-                raise ConfigError("reward_weights", "weights need --reward-funcs, --reward-model or --reward-url, or reward "
-                                  "functions given to ESTrainer (a --task sets its own weights)")
-            task = task_from_config(args, args.parsed_reward_weights())
-        else:
-            weights = reward_weights if reward_weights is not None else args.parsed_reward_weights()  # GRPOConfig's
-            task = task_from_objects(reward_funcs, train_dataset, eval_dataset, weights, accuracy_func,
-                                     args.reward_model_device, args.prompt_column, args.prompt_template,
-                                     args.target_column)
-        return select_rows(task, args.train_rows, args.eval_rows, args.eval_size)
+        """The task (esft.tasks.building), from the settings it uses or the objects given to ESTrainer."""
+        return build_task(settings_for(TaskSettings, self.args), reward_funcs, train_dataset, eval_dataset,
+                          reward_weights, accuracy_func)
 
     # ------------------------------------------------------------- evaluation
     def evaluate(self, iteration: int | None = None) -> dict[str, float]:

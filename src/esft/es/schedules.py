@@ -25,11 +25,15 @@ DEFAULT_FINAL_FRACTION = 0.1
 
 
 def parse(spec: str) -> tuple[str, float]:
-    """(kind, final fraction) of a schedule such as `constant`, `linear`, `cosine:0.2`."""
-    kind, _, fraction = str(spec).partition(":")
-    if kind not in ("constant", "linear", "cosine") or (kind == "constant" and fraction):
+    """(kind, final fraction) of a schedule such as `constant`, `linear`, `cosine:0.2`; ValueError for anything
+    else (a final fraction outside [0, 1] too)."""
+    kind, colon, fraction = str(spec).partition(":")
+    if kind not in ("constant", "linear", "cosine") or (colon and (kind == "constant" or not fraction)):
         raise ValueError(f"unknown schedule {spec!r}: use constant, linear[:F] or cosine[:F]")
-    return kind, float(fraction) if fraction else DEFAULT_FINAL_FRACTION
+    final = float(fraction) if fraction else DEFAULT_FINAL_FRACTION
+    if not 0 <= final <= 1:
+        raise ValueError(f"schedule {spec!r}: the final fraction F must be in [0, 1]")
+    return kind, final
 
 
 def scheduled(spec: str, initial: float, iteration: int, iterations: int) -> float:

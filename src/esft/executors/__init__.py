@@ -31,4 +31,4 @@ def build_executor(args: ESConfig, task, scorer: Scorer, engine_builder: Callabl
 
         return population_batching_problem(engine)
 
-    return LocalExecutor(engine, scorer, args.sigma, population_batching=resolve_population_batching(args, problem))
+    return LocalExecutor(engine, scorer, population_batching=resolve_population_batching(args, problem))

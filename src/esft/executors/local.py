@@ -59,24 +59,20 @@ class LocalExecutor:
     generate calls (`population_batching`: esft.engines.population) where a call holds more than one
     member's rows."""
 
-    def __init__(self, engine: Engine, scorer: Scorer, sigma: float, population_batching: bool = False,
-                 overlap_rewards: bool = True):
+    def __init__(self, engine: Engine, scorer: Scorer, population_batching: bool = False, overlap_rewards: bool = True):
         self.engine = engine
         self.scorer = scorer
-        self.sigma = sigma
-        """σ of evaluate_population calls that pass none (the trainer passes each iteration's σ_t)."""
         self.population_batching = population_batching
         self.overlap_rewards = overlap_rewards
         """Sequential path: score member i in a background thread while member i+1 generates (torch
         kernels release the GIL; sandboxed reward functions run in other processes)."""
         self._said_batching = False
 
-    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch,
-                            sigma: float | None = None) -> list[MemberResult]:
-        """Perturb (θ + σ·ε, `sigma` or else the executor's) → generate → restore → score, for each
-        member, on the same prompt batch."""
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch, sigma: float) -> list[MemberResult]:
+        """Perturb (θ + σ·ε, σ this iteration's) → generate → restore → score, for each member, on the same
+        prompt batch."""
         rows, prompts = batch.rows, batch.prompts
-        sigma = self.sigma if sigma is None else float(sigma)
+        sigma = float(sigma)
         if self.population_batching:
             from esft.engines.population import generate_population, members_per_call
 

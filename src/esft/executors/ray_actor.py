@@ -15,10 +15,10 @@ import ray
 
 from esft.engines.base import optional
 from esft.es.batches import PromptBatch, prompt_batch
-from esft.settings.config import ESConfig
+from esft.settings.config import ESConfig, settings_for
 from esft.executors.local import LocalExecutor, MemberResult
 from esft.rewards.conventions import RewardTrainerState
-from esft.rewards.runner import reward_runners
+from esft.rewards.runner import SandboxSettings, reward_runners
 
 
 class ESActor:
@@ -57,9 +57,8 @@ class ESActor:
         the same reward runners (esft.rewards.runner.reward_runners); members batched as the driver resolved
         --population-batching (esft.executors.local.resolve_population_batching)."""
         self.task, self._batch = task, None
-        self.rewards, _ = reward_runners(task, self.args)
-        self._local = LocalExecutor(self.engine, self.rewards.score, self.args.sigma,
-                                    population_batching=population_batching)
+        self.rewards, _ = reward_runners(task, settings_for(SandboxSettings, self.args))
+        self._local = LocalExecutor(self.engine, self.rewards.score, population_batching=population_batching)
 
     def close(self) -> None:
         """Stop the engine (a vLLM engine's processes and socket files) and the reward workers, then end
@@ -88,11 +87,10 @@ class ESActor:
 
         return {"allocator": self.allocator, "threads": torch.get_num_threads()}
 
-    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None = None,
-                 sigma: float | None = None) -> list[MemberResult]:
+    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None, sigma: float) -> list[MemberResult]:
         """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
-        a time, or batched with --population-batching), perturbed by `sigma` (the iteration's σ;
-        default --sigma), on the iteration's prompt batch: rebuilt here from the task's train set
+        a time, or batched with --population-batching), perturbed by `sigma` (the iteration's σ),
+        on the iteration's prompt batch: rebuilt here from the task's train set
         (esft.es.batches.prompt_batch) unless `rows` are given."""
         if rows is not None:
             batch = PromptBatch(iteration, rows)

@@ -134,13 +134,12 @@ class RayExecutor:
         print(f"esft: {message}", file=sys.stderr)
 
     # ------------------------------------------------------------ members
-    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch,
-                            sigma: float | None = None) -> list[MemberResult]:
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch, sigma: float) -> list[MemberResult]:
         """Every member once, on whichever actor is free; a dead actor's members are re-run elsewhere.
         The unit of work is one member, or with --population-batching an equal share per actor. Only
         the iteration goes out when the actors can rebuild the batch (esft.es.batches.prompt_batch).
-        `sigma` (this iteration's σ; default --sigma) goes out with the seeds."""
-        sigma = self.args.sigma if sigma is None else float(sigma)
+        `sigma` (this iteration's σ) goes out with the seeds."""
+        sigma = float(sigma)
         self._ship_task()
         expected = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch.iteration)
         payload = None if expected.rows == batch.rows else list(batch.rows)

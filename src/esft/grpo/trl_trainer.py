@@ -14,7 +14,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from esft.settings.config import ConfigError, ESConfig
-from esft.settings.config import GRPO_ONLY
+from esft.settings.fields import GRPO_ONLY
 from esft.engines.base import resolve_device
 
 MIN_TRL = "1.16"

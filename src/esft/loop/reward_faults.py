@@ -17,10 +17,10 @@ from esft.rewards.runner import Failure, RewardError, Scores, failing_everywhere
 from esft.tasks.base import TaskError
 
 
-def skip_failing(args: Any, names: Sequence[str]) -> set[str]:
+def skip_failing(reward_skip_failing: str | None, names: Sequence[str]) -> set[str]:
     """The reward functions --reward-skip-failing names (a name that is none of the run's reward
     functions is an error before the model loads: a typo would silently leave the rule on)."""
-    wanted = split_list(getattr(args, "reward_skip_failing", None))
+    wanted = split_list(reward_skip_failing)
     unknown = [name for name in wanted if name not in names]
     if unknown:
         raise TaskError(f"--reward-skip-failing: no reward function named {', '.join(unknown)}; this run's reward "

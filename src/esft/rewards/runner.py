@@ -174,13 +174,26 @@ def _in_process(func: RewardFunc, kwargs: dict[str, Any], n: int, options: dict[
 _CALL_REWARD = ByReference("esft.rewards.values", "call_reward")
 
 
-def reward_runners(task: Any, args: Any) -> tuple[RewardRunner, RewardRunner | None]:
+@dataclass(frozen=True)
+class SandboxSettings:
+    """How reward functions are run and what a failure scores: ESConfig's fields of these names
+    (esft.settings.fields, where each is documented)."""
+
+    failure_reward: float = 0.0
+    reward_sandbox: bool = True
+    reward_timeout: float = 10.0
+    reward_memory_mb: int = 4096
+    reward_workers: int = 2
+    target_column: str | None = None
+
+
+def reward_runners(task: Any, settings: SandboxSettings) -> tuple[RewardRunner, RewardRunner | None]:
     """The reward runner (and accuracy runner, if the task has an accuracy function) of a task
-    (reward_funcs, reward_weights, accuracy_func) with the sandbox settings of `args` (an ESConfig).
+    (reward_funcs, reward_weights, accuracy_func) with these sandbox settings.
     The trainer and every Ray actor score through these."""
-    options = dict(failure_reward=args.failure_reward, sandbox=args.reward_sandbox, timeout=args.reward_timeout,
-                   memory_mb=args.reward_memory_mb, workers=args.reward_workers)
-    options["target_column"] = getattr(args, "target_column", None)
+    options = dict(failure_reward=settings.failure_reward, sandbox=settings.reward_sandbox,
+                   timeout=settings.reward_timeout, memory_mb=settings.reward_memory_mb, workers=settings.reward_workers,
+                   target_column=settings.target_column)
     rewards = RewardRunner(task.reward_funcs, task.reward_weights, **options)
     if task.accuracy_func is None:
         return rewards, None

@@ -139,7 +139,7 @@ def applies(key: str, run: Run) -> bool:
     import dataclasses
 
     from esft.settings.config import ESConfig
-    from esft.settings.rules import applies as field_applies
+    from esft.settings.fields import applies as field_applies
 
     if run.algorithm == "randopt" and key == "iterations":  # no update, no iterations
         return False

@@ -1,4 +1,5 @@
-"""ESConfig: every setting of a run, one documented field each (CLI flags are these in kebab-case)."""
+"""ESConfig: every setting of a run (its fields: esft.settings.fields; CLI flags are their names in kebab-case), the
+defaults' post-processing and the validation on construction (esft.settings.rules)."""
 
 from __future__ import annotations
 
@@ -6,29 +7,17 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from esft.models.gguf import converted_folder, is_gguf
-from esft.settings.fields import GROUPS, _in
-from esft.settings.randopt import RandOptFields, check_randopt
-from esft.settings.variants import check_variants
+from esft.settings.fields import EMBEDDED_MODEL, GROUPS, GRPO_ONLY, Fields
 from esft.settings.trl_names import not_an_esconfig, unknown_setting
-from esft.settings.rules import (
-    CHOICES,
-    EMBEDDED_MODEL,
-    es_only,
-    only_for,
-    randopt_unused,
-    ConfigError,
-    check,
-    is_adapter_dir,
-    is_number,
-    reward_weights,
-    split_list,
-)
+from esft.settings.rules import CHOICES, ConfigError, check, is_adapter_dir, is_number, reward_weights, split_list
+
+T = TypeVar("T")
 
 __all__ = ["CHOICES", "DEMO_PRESET", "EMBEDDED_MODEL", "GROUPS", "ConfigError", "ESConfig", "embedded_model_path", "es_config",
-           "is_demo", "model_path", "split_list"]
+           "is_demo", "model_path", "settings_for", "split_list"]
 
 # The demo's speed preset: on the embedded model, low-rank noise with the whole population in one batched
 # generate call (--mini-batch-size auto: all 32 prompts × 30 members, 960 rows, on CPU) is the fastest
@@ -66,35 +55,10 @@ def model_path(args: ESConfig, model: str | None = None) -> str:
 
 
 @dataclass
-class ESConfig(RandOptFields):
+class ESConfig(Fields):
     """Settings of an ES fine-tuning run. Defaults: the paper's ES hyperparameters (N=30, σ=1e-3,
     α=σ/2, i.i.d. full-rank noise) on the embedded tiny model and easy Countdown, sized to finish in
     minutes on a CPU. The `esft train` demo adds DEMO_PRESET as defaults (esft.cli.demo_preset_for)."""
-
-    # ---- GRPO (TRL): TRL's GRPOConfig names and defaults (README "GRPO baseline")
-    learning_rate: float = _in("GRPO (TRL)", "AdamW's initial learning rate, decaying linearly to 0 over --iterations "
-                               "(TRL's default schedule).", default=1e-6)
-    num_generations: int = _in("GRPO (TRL)", "Completions sampled per prompt: the group whose rewards are normalised "
-                               "into advantages.", default=8)
-    per_device_train_batch_size: int = _in(
-        "GRPO (TRL)", "Completions per micro-batch (prompts x --num-generations); times --gradient-accumulation-steps "
-        "it must be a multiple of --num-generations.", default=8)
-    gradient_accumulation_steps: int = _in("GRPO (TRL)", "Micro-batches per optimizer step.", default=1)
-    beta: float = _in("GRPO (TRL)", "KL coefficient against the initial model (0: no reference model).", default=0.0)
-    loss_type: str = _in("GRPO (TRL)", "grpo, dr_grpo, dapo, bnpo, cispo, sapo, luspo or vespo (TRL's loss "
-                         "formulations).", default="dapo")
-    scale_rewards: str = _in("GRPO (TRL)", "Advantage scaling: group (std within each prompt's group), batch or none.",
-                             default="group")
-    epsilon: float = _in("GRPO (TRL)", "Clipping range of the importance ratio.", default=0.2)
-    num_iterations: int = _in("GRPO (TRL)", "TRL's mu: optimizer steps on each generation batch (not --iterations, "
-                              "which counts all optimizer steps).", default=1)
-    rollout_temperature: float = _in(
-        "GRPO (TRL)", "Sampling temperature of training rollouts (TRL's temperature; --temperature stays the "
-        "evaluation temperature, greedy by default, for both algorithms).", default=1.0)
-    max_grad_norm: float = _in("GRPO (TRL)", "Gradient clipping norm.", default=1.0)
-    gradient_checkpointing: bool = _in("GRPO (TRL)", "Recompute activations in the backward pass: less memory, "
-                                       "slower (TRL's default; --no-gradient-checkpointing for small models).",
-                                       default=True)
 
     def __post_init__(self) -> None:
         if self.alpha is None:
@@ -116,8 +80,6 @@ class ESConfig(RandOptFields):
     def validate(self) -> None:
         """Raise ConfigError naming the first invalid field and how to fix it (esft.settings.rules)."""
         check(self)
-        check_variants(self)
-        check_randopt(self)
 
     def uses_lora(self) -> bool:
         """LoRA-ES (esft.engines.lora): --lora-r or --lora-adapter given, or --model is a PEFT adapter directory."""
@@ -131,9 +93,21 @@ class ESConfig(RandOptFields):
         """--reward-weights as floats, one per reward: --reward-funcs, then --reward-model, then --reward-url."""
         return reward_weights(self)
 
+    def adam_beta_pair(self) -> tuple[float, float]:
+        """--adam-betas as two floats (validated by esft.settings.rules)."""
+        first, second = (float(part) for part in self.adam_betas.split(","))
+        return first, second
+
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for config.yaml and checkpoints."""
         return dataclasses.asdict(self)
+
+
+def settings_for(room: type[T], config: ESConfig) -> T:
+    """The settings a room takes, from `config`: `room` is a dataclass of that room's (esft.tasks.building.TaskSettings,
+    esft.rewards.runner.SandboxSettings) whose fields are ESConfig fields of the same names, so a room receives
+    what it uses, never the whole ESConfig."""
+    return room(**{f.name: getattr(config, f.name) for f in dataclasses.fields(room)})
 
 
 def es_config(args: Any, **defaults: Any) -> ESConfig:
@@ -166,13 +140,3 @@ def _init_naming_unknown_settings(self, *args: Any, **kwargs: Any) -> None:
 
 
 ESConfig.__init__ = _init_naming_unknown_settings
-
-# Which settings apply to which algorithm, derived from each field's `algorithms` (esft.settings.fields)
-ES_ONLY = es_only(ESConfig)
-"""Settings of the ES loop (its members and its update) that --algorithm grpo has no use for: refused there."""
-GRPO_ONLY = only_for(ESConfig, "grpo")
-"""The "GRPO (TRL)" settings (TRL's names), meaningless to --algorithm es and randopt."""
-RANDOPT_OWN = only_for(ESConfig, "randopt")
-"""The settings only --algorithm randopt uses."""
-RANDOPT_UNUSED = randopt_unused(ESConfig)
-"""ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""

@@ -1,4 +1,5 @@
-"""The rules an ESConfig must satisfy: one ConfigError naming the field (the flag) and the fix."""
+"""The rules an ESConfig must satisfy (its fields: esft.settings.fields): one ConfigError naming the field (the
+flag) and the fix, the first invalid one of the whole config, ES variants and RandOpt's settings included."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from typing import Any
 
 from esft.engines.registry import ENGINES
 from esft.es.fitness import FAILED_SAMPLES
+from esft.es import schedules
 from esft.es.noise import NOISE_SCHEMES
 from esft.es.optimizers import OPTIMIZERS
 from esft.es.shaping import REWARD_SHAPING
 from esft.es.strategies import STRATEGIES
 from esft.files import looks_like_path
 from esft.models.gguf import gguf_problem, is_gguf
+from esft.settings.fields import ALGORITHMS, EMBEDDED_MODEL, ES_ONLY, GRPO_ONLY, RANDOPT_OWN, RANDOPT_UNUSED
 from esft.settings.trl_names import ES_EQUIVALENTS
 
-EMBEDDED_MODEL = "embedded"
 CHOICES = {  # the ES and engine choices are their registries themselves (a registered one is a choice too)
     "noise": NOISE_SCHEMES,
     "optimizer": OPTIMIZERS,
@@ -32,7 +34,7 @@ CHOICES = {  # the ES and engine choices are their registries themselves (a regi
     "engine": ENGINES,
     "executor": ("local", "ray"),
     "vllm_cpu_gemm": ("repack", "plain"),
-    "algorithm": ("es", "grpo", "randopt"),
+    "algorithm": ALGORITHMS,
     "loss_type": ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"),  # TRL 1.16's
     "scale_rewards": ("group", "batch", "none"),
 }
@@ -149,6 +151,8 @@ def check(config) -> None:
         raise ConfigError("eval_samples", f"{config.eval_samples} samples per prompt need sampling: add --temperature 1 "
                           "(greedy decoding gives the same completion every time)")
     config.parsed_reward_weights()
+    _check_variants(config)
+    _check_randopt(config)
 
 def _check_scale_out(config) -> None:
     """An engine's own settings need that --engine (esft.engines.registry) and Ray settings --executor ray:
@@ -203,27 +207,6 @@ def _check_lora(config) -> None:
                           f"--noise {config.noise}")
 
 
-def applies(f, algorithm: str) -> bool:
-    """Whether ESConfig field `f` applies to --algorithm `algorithm` (its metadata's `algorithms`,
-    esft.settings.fields: every field says which it applies to)."""
-    return algorithm in f.metadata.get("algorithms", (algorithm,))
-
-
-def only_for(config, *algorithms: str) -> tuple[str, ...]:
-    """The settings of `config` (an ESConfig or the class) that apply to exactly these algorithms."""
-    return tuple(f.name for f in dataclasses.fields(config) if set(f.metadata.get("algorithms", ())) == set(algorithms))
-
-
-def randopt_unused(config) -> tuple[str, ...]:
-    """ES settings of the update and its schedule, which RandOpt (no update) has no use for: refused, not ignored."""
-    return only_for(config, "es") + only_for(config, "es", "grpo")
-
-
-def es_only(config) -> tuple[str, ...]:
-    """Settings of the ES loop that --algorithm grpo has no use for (refused rather than silently ignored)."""
-    return tuple(f.name for f in dataclasses.fields(config) if applies(f, "es") and not applies(f, "grpo"))
-
-
 def _check_algorithm(config) -> None:
     """ES settings need --algorithm es and GRPO settings --algorithm grpo; budgets and GRPO values in range."""
     for name in ("budget_completions", "budget_tokens"):
@@ -231,7 +214,7 @@ def _check_algorithm(config) -> None:
             raise ConfigError(name, f"must be >= 1 (or left unset for no limit), got {getattr(config, name)}")
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     typed = getattr(config, "_typed_grpo", ()) if config.algorithm != "grpo" else ()  # esft.settings.config
-    changed = [name for name in (es_only(config) if config.algorithm == "grpo" else only_for(config, "grpo"))
+    changed = [name for name in (ES_ONLY if config.algorithm == "grpo" else GRPO_ONLY)
                if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]) or name in typed]
     if changed and config.algorithm == "grpo":
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
@@ -369,3 +352,62 @@ def _check_data_selection(config) -> None:
             if config.task != "countdown" or config.train_data is not None or config.eval_data is not None:
                 raise ConfigError(name, f"applies to data given with --reward-funcs (or --reward-model, --reward-url) "
                                   f"or to ESTrainer's datasets; --task {config.task} builds its own prompts")
+
+
+def _check_variants(config) -> None:
+    """ConfigError naming the first invalid ES-variant setting and how to fix it."""
+    if config.antithetic:  # the spelling from before --strategy: read into the strategy, never written
+        if config.strategy not in ("paper", "antithetic"):
+            raise ConfigError("antithetic", f"--antithetic is --strategy antithetic, but --strategy is "
+                              f"{config.strategy}: give one of them")
+        config.strategy = "antithetic"
+    config.antithetic = None
+    strategy = STRATEGIES[config.strategy]
+    if problem := strategy.population_problem(config.population_size):
+        raise ConfigError("population_size", f"--strategy {config.strategy} {problem}")
+    parts = str(config.adam_betas).split(",")
+    try:
+        betas = [float(part) for part in parts]
+    except ValueError:
+        betas = []
+    if len(betas) != 2 or not all(0 <= beta < 1 for beta in betas):
+        raise ConfigError("adam_betas", f"must be two numbers in [0, 1) such as 0.9,0.999; got {shown(config.adam_betas)}")
+    if not config.adam_eps > 0:
+        raise ConfigError("adam_eps", f"must be > 0, got {config.adam_eps}; use e.g. 1e-8")
+    if config.weight_decay < 0:
+        raise ConfigError("weight_decay", f"must be >= 0, got {config.weight_decay}")
+    for name in ("sigma_schedule", "alpha_schedule"):
+        value = getattr(config, name)
+        try:
+            schedules.parse(value)
+        except ValueError:
+            raise ConfigError(name, f"must be constant, linear, cosine, or linear:F / cosine:F with a final fraction F "
+                              f"in [0, 1] (e.g. cosine:0.1); got {shown(value)}")
+
+
+def _check_randopt(config) -> None:
+    """ConfigError naming the first invalid RandOpt setting (or one RandOpt does not use) and how to fix it."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    if config.algorithm != "randopt":
+        for name in RANDOPT_OWN:
+            if getattr(config, name) != defaults[name]:
+                raise ConfigError(name, f"is a setting of --algorithm randopt, which this run does not use "
+                                  f"(--algorithm {config.algorithm}); add --algorithm randopt or drop it")
+        return
+    for name in RANDOPT_UNUSED:
+        if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]):
+            instead = "; its members are scored on --validation-size rows" if name == "batch_size" else ""
+            raise ConfigError(name, f"is a setting of the ES update, which --algorithm randopt (no update: N members "
+                              f"scored once) does not use{instead}; drop it")
+    if config.iterations not in (0, defaults["iterations"]):
+        raise ConfigError("iterations", "--algorithm randopt scores --population-size members once and has no "
+                          "iterations; drop --iterations (the budget: --population-size x --validation-size completions)")
+    for name in ("randopt_top_k", "validation_size"):
+        if getattr(config, name) < 1:
+            raise ConfigError(name, f"must be >= 1, got {getattr(config, name)}")
+    if config.randopt_top_k > config.population_size:
+        raise ConfigError("randopt_top_k", f"keeps K of the --population-size members, so K <= N; got K = "
+                          f"{config.randopt_top_k} > N = {config.population_size}: lower K or raise N")
+    if config.uses_lora():
+        raise ConfigError("algorithm", "--algorithm randopt perturbs the full model here; drop the LoRA settings "
+                          "(--lora-r, --lora-adapter)")

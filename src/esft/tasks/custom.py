@@ -259,20 +259,3 @@ def task_from_factory(spec: str, settings: dict[str, Any]) -> Task:
     except Exception as error:  # noqa: BLE001 - the user's factory failed: say where
         raise TaskError(f"--task {spec}: the task factory raised {describe(error)}") from None
     return prepare_task(task, f"--task {spec}")
-
-
-def task_from_config(args: Any, weights: list[float] | None = None) -> Task:
-    """The task an ESConfig names: --reward-funcs data, a --task module:function factory, or a
-    registered task (countdown, arithmetic, times-table, conciseness, math)."""
-    if args.reward_funcs or args.reward_model or args.reward_url:
-        return task_from_data(args.train_data, args.eval_data, args.reward_funcs, weights, args.reward_model,
-                              args.reward_url, args.reward_model_device, getattr(args, "reward_url_deadline", None),
-                              args.prompt_column, args.prompt_template, args.target_column)
-    settings = {name: getattr(args, name) for name in FACTORY_SETTINGS}
-    if settings["eval_size"] is None:  # ESConfig's "every row of --eval-data; 500 generated problems"
-        settings["eval_size"] = 500
-    if is_spec(args.task):
-        return task_from_factory(args.task, settings)
-    from esft.tasks import load_task
-
-    return prepare_task(load_task(args.task, **settings), f"--task {args.task}")

@@ -11,11 +11,12 @@ here with its `SHAPING`, its line below, its row in test_es_core's EXPECTED_SHAP
 
 from __future__ import annotations
 
-from esft.es.shaping import centered, per_prompt, rank, raw, zscore
+from esft.es.shaping import centered, per_prompt, per_prompt_centered, rank, raw, zscore
 from esft.es.shaping.base import Shaping
 
 REWARD_SHAPING: dict[str, Shaping] = {s.name: s for s in (zscore.SHAPING, rank.SHAPING, raw.SHAPING,
-                                                           per_prompt.SHAPING, centered.SHAPING)}
+                                                           per_prompt.SHAPING, centered.SHAPING,
+                                                           per_prompt_centered.SHAPING)}
 """--reward-shaping's choices, in the order --help lists them (zscore, the paper's, first: the default)."""
 
 
