@@ -150,3 +150,40 @@ def test_the_smollm2_recipe_config_is_what_its_docs_say(tiny_model_dir, tmp_path
     assert proc.returncode == 0, proc.stderr[-3000:]
     config = yaml.safe_load((tmp_path / "r" / "config.yaml").read_text())
     assert (config["task"], config["noise"], config["sigma"], config["alpha"]) == ("times-table", "lowrank", 0.01, 0.005)
+
+
+HOSTILE_TEMPLATES = {  # issue 66, case 7: each was a hang, a MemoryError after 4.3 GB, or a traceback
+    "loops": ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}"
+              "{% endfor %}{% endfor %}", "did not render the first chat prompt within 3 s"),
+    "memory": ("{{ 'A' * (messages|length * 4000000000) }}", "needed more than 2 GiB to render the first chat prompt"),
+    "escape": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "the tokenizer's chat template failed on a chat prompt (SecurityError"),
+    "raises": ("{{ raise_exception('no chat here') }}", "the tokenizer's chat template failed on a chat prompt"),
+}
+
+
+@pytest.mark.parametrize("kind", list(HOSTILE_TEMPLATES))
+def test_a_hostile_chat_template_is_one_line_bounded_in_time_and_memory(kind, tiny_model_dir, tmp_path, monkeypatch):
+    """A chat template is code of the model folder's: the first prompt renders in a forked child under a time
+    limit (PROBE_SECONDS, 3 s here) and a 2 GiB cap, and any error of the template is one line, exit 2."""
+    import json
+    import shutil
+    import time
+
+    from esft.tasks import chat_probe
+
+    monkeypatch.setattr(chat_probe, "PROBE_SECONDS", 3.0)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    template, expected = HOSTILE_TEMPLATES[kind]
+    (model / "tokenizer_config.json").write_text(json.dumps(config | {"chat_template": template}))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    started = time.monotonic()
+    proc, _ = esft("train", "--model", str(model), "--task", "arithmetic", "--max-tokens", "4", "--population-size", "2",
+                   "--batch-size", "2", "--eval-size", "4", "--iterations", "1", "--no-progress", "--logging", "none",
+                   "--output-dir", str(tmp_path / "runs"), "--run-name", "a", cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("esft: error: ")]
+    assert len(errors) == 1 and proc.stderr.rstrip().endswith(errors[0]), proc.stderr  # the last line, the only error
+    assert expected in errors[0] and "--prompt-format raw" in errors[0], errors[0]
+    assert time.monotonic() - started < 60

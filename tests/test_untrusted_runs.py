@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -324,12 +325,25 @@ def test_esft_processes_starting_at_once_share_one_whole_key(tmp_path):
     ({"eval_samples": 10**9, "temperature": 1.0}, "--eval-samples: must be <= 4096"),
     ({"reward_workers": 10**6}, "--reward-workers: must be <= 256"),
     ({"sigma": 1e300}, "--sigma: must be <= 1.0 (σ = 1 already adds noise as large as a typical weight"),
+    ({"train_size": 10**8}, "--train-size: must be <= 1000000 (generated problems"),
+    ({"eval_size": 10**9}, "--eval-size: must be <= 1000000 (evaluation rows per split"),
 ])
 def test_size_flags_have_upper_bounds_checked_before_anything_loads(settings, expected):
     from esft.settings.config import ConfigError, ESConfig
 
     with pytest.raises(ConfigError, match=expected.replace("(", r"\(")):
         ESConfig(**settings)
+
+
+def test_more_generated_problems_than_the_split_holds_is_one_line_in_seconds(tmp_path):
+    """Issue 66, case 10: --train-size within its bound but beyond the distinct problems of easy Countdown's
+    training split (about 5,100) ran for hours (1,000 draws per problem asked); it stops once 50,000 draws in a
+    row find no new problem, before any model loads."""
+    started = time.monotonic()
+    proc = esft("train", "--train-size", "20000", "--iterations", "1", "--logging", "none", "--no-progress", cwd=tmp_path)
+    one_error_line(proc, "could not generate 20000 distinct train-split problems at this difficulty: ")
+    assert "use a harder --difficulty" in proc.stderr and time.monotonic() - started < 60
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
 
 
 def test_sigma_scan_refuses_a_huge_population_and_an_out_it_cannot_write_before_scanning(tmp_path):

@@ -62,7 +62,8 @@ class ConfigError(ValueError):
 
 MAXIMUM = {"population_size": (2**24, "EGGROLL's largest populations are 2^20 members"),
            "batch_size": (2**24, "prompts per iteration"), "iterations": (10**9, "the most a checkpoint records"),
-           "train_size": (10**8, "generated problems held in memory"),
+           "train_size": (10**6, "generated problems: a million take about a minute to make here"),
+           "eval_size": (10**6, "evaluation rows per split, each generated for at every evaluation"),
            "rank": (4096, "a low-rank perturbation wider than any matrix is full-rank noise at more cost"),
            "eval_samples": (4096, "completions sampled per evaluation prompt, each kept in memory"),
            "reward_workers": (256, "reward worker processes, each a Python interpreter"),

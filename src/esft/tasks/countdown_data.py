@@ -22,6 +22,9 @@ from esft.files import DATA_LIMIT, read_regular_text
 from esft.tasks.base import TaskError
 from esft.tasks.countdown import format_target, make_prompt
 
+EXHAUSTED_AFTER = 50_000
+"""Draws in a row without a new distinct problem after which generation stops (about 2 s here): the split's
+problem space is then all but exhausted, and asking for more would otherwise run for hours."""
 HELD_OUT_BUCKETS = 10  # 1 bucket in 10 of the problem space is reserved for held-out evaluation
 
 
@@ -133,13 +136,16 @@ def generate_problems(
         raise ValueError(f"split must be None, 'train' or 'eval', got {split!r}")
     rng = random.Random(seed)
     rows, seen = [], set()
-    attempts = 0
+    attempts = misses = 0
     while len(rows) < count:
         attempts += 1
-        if attempts > max_attempts_per_problem * max(count, 1):
+        misses += 1
+        # the second rule stops within seconds once the split's distinct problems are (nearly) all drawn
+        if attempts > max_attempts_per_problem * max(count, 1) or misses > EXHAUSTED_AFTER:
             raise TaskError(
-                f"could not generate {count} distinct {split or 'any'}-split problems with {difficulty}; "
-                "ask for fewer problems or use a harder difficulty (more distinct problems exist)"
+                f"could not generate {count} distinct {split or 'any'}-split problems at this difficulty: "
+                f"{len(rows)} were found and the last {misses - 1:,} draws gave no new one (few more distinct problems "
+                "exist); ask for fewer problems (--train-size, --eval-size) or use a harder --difficulty"
             )
         size = rng.randint(*difficulty.num_numbers)
         numbers = [rng.randint(difficulty.min_number, difficulty.max_number) for _ in range(size)]
@@ -153,6 +159,7 @@ def generate_problems(
         if split is not None and is_held_out(numbers, target) != (split == "eval"):
             continue
         seen.add(key)
+        misses = 0
         rows.append(make_row(numbers, target, solution[1:-1] if solution.startswith("(") else solution))
     return rows
 

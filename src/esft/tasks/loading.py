@@ -21,6 +21,8 @@ from typing import Any
 from esft.chat import chatml, is_messages
 from esft.files import DATA_LIMIT, looks_like_path, read_regular, read_regular_text
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
+from esft.tasks.chat_probe import FIX, probe_chat_template
+from esft.rewards.usercode import describe
 
 _FORMATS = "a .json, .jsonl, .csv or .parquet file, a save_to_disk directory, or a dataset name in the local cache"
 
@@ -274,10 +276,13 @@ def render_prompt(prompt: str | list, tokenizer: Any) -> str:
         return prompt
     continue_final = prompt[-1].get("role") == "assistant"
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [dict(m) for m in prompt], tokenize=False, add_generation_prompt=not continue_final,
-            continue_final_message=continue_final,
-        )
+        try:
+            return tokenizer.apply_chat_template(
+                [dict(m) for m in prompt], tokenize=False, add_generation_prompt=not continue_final,
+                continue_final_message=continue_final,
+            )
+        except Exception as error:  # noqa: BLE001 - the template is the model folder's code: any failure, one line
+            raise TaskError(f"the tokenizer's chat template failed on a chat prompt ({describe(error)}); {FIX}") from error
     text = chatml(prompt, add_generation_prompt=not continue_final)
     return text[: -len("<|im_end|>\n")] if continue_final else text
 
@@ -310,6 +315,8 @@ def render_rows(task: Task, tokenizer: Any = None, load_tokenizer: Any = None) -
             if PROMPT_SOURCE not in row and not isinstance(row["prompt"], str):
                 if tokenizer is None and load_tokenizer is not None:
                     tokenizer = load_tokenizer()
+                if count == 0 and getattr(tokenizer, "chat_template", None):  # bounded in time and memory, once
+                    probe_chat_template(lambda: render_prompt(row["prompt"], tokenizer))
                 row[PROMPT_SOURCE] = row["prompt"]
                 row["prompt"] = render_prompt(row[PROMPT_SOURCE], tokenizer)
                 count += 1
