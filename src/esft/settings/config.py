@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from esft.models.gguf import converted_folder, is_gguf
 from esft.settings.fields import EMBEDDED_MODEL, GROUPS, GRPO_ONLY, Fields
 from esft.settings.trl_names import not_an_esconfig, unknown_setting
-from esft.settings.rules import CHOICES, ConfigError, check, is_adapter_dir, is_number, reward_weights, split_list
+from esft.settings.rules import CHOICES, ConfigError, check, custom_rewards, is_adapter_dir, is_number, reward_weights, split_list
 
 T = TypeVar("T")
 
@@ -87,7 +87,7 @@ class ESConfig(Fields):
 
     def custom_rewards(self) -> bool:
         """--reward-funcs, --reward-model or --reward-url given: the task is built from the data files."""
-        return bool(self.reward_funcs or self.reward_model or self.reward_url)
+        return custom_rewards(self)
 
     def parsed_reward_weights(self) -> list[float] | None:
         """--reward-weights as floats, one per reward: --reward-funcs, then --reward-model, then --reward-url."""

@@ -486,6 +486,8 @@ def only_for(*algorithms: str) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(Fields) if set(f.metadata["algorithms"]) == set(algorithms))
 
 
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(Fields)}
+"""Every setting's default (α's, None, becomes σ/2 in ESConfig: esft.settings.rules.differs_from_default)."""
 ES_ONLY = tuple(f.name for f in dataclasses.fields(Fields) if applies(f, "es") and not applies(f, "grpo"))
 """Settings of the ES loop (its members and its update) that --algorithm grpo has no use for: refused there."""
 GRPO_ONLY = only_for("grpo")

@@ -19,7 +19,7 @@ from esft.es.shaping import REWARD_SHAPING
 from esft.es.strategies import STRATEGIES
 from esft.files import looks_like_path
 from esft.models.gguf import gguf_problem, is_gguf
-from esft.settings.fields import ALGORITHMS, EMBEDDED_MODEL, ES_ONLY, GRPO_ONLY, RANDOPT_OWN, RANDOPT_UNUSED
+from esft.settings.fields import ALGORITHMS, DEFAULTS, EMBEDDED_MODEL, ES_ONLY, GRPO_ONLY, RANDOPT_OWN, RANDOPT_UNUSED
 from esft.settings.trl_names import ES_EQUIVALENTS
 
 CHOICES = {  # the ES and engine choices are their registries themselves (a registered one is a choice too)
@@ -58,6 +58,18 @@ class ConfigError(ValueError):
     def __init__(self, name: str, message: str):
         self.name = name
         super().__init__(f"--{name.replace('_', '-')}: {message}")
+
+
+def differs_from_default(config, name: str) -> bool:
+    """Whether setting `name` differs from its default (α's default is σ/2): a setting given for an engine,
+    executor or algorithm the run does not use is refused, never ignored."""
+    return getattr(config, name) != (config.sigma / 2 if name == "alpha" else DEFAULTS[name])
+
+
+def custom_rewards(settings) -> bool:
+    """--reward-funcs, --reward-model or --reward-url given (an ESConfig or a room's settings holding them): the
+    task is built from the data files."""
+    return bool(settings.reward_funcs or settings.reward_model or settings.reward_url)
 
 
 MAXIMUM = {"population_size": (2**24, "EGGROLL's largest populations are 2^20 members"),
@@ -134,10 +146,10 @@ def check(config) -> None:
         # train/eval data may also name a dataset in the local cache: checked when loaded
         if value is not None and not Path(value).exists() and (name == "resume" or looks_like_path(value)):
             raise ConfigError(name, f"{shown(value)} does not exist; check the path")
-    if (config.task == "custom") != config.custom_rewards():
-        raise ConfigError("task" if config.custom_rewards() else "reward_funcs",
+    if (config.task == "custom") != custom_rewards(config):
+        raise ConfigError("task" if custom_rewards(config) else "reward_funcs",
                           f"--reward-funcs/--reward-model/--reward-url build their own task from --train-data/--eval-data; "
-                          f"drop --task {config.task}" if config.custom_rewards() else "--task custom needs --reward-funcs module:function")
+                          f"drop --task {config.task}" if custom_rewards(config) else "--task custom needs --reward-funcs module:function")
     _check_reward_services(config)
     if not config.reward_url_deadline >= 0:
         raise ConfigError("reward_url_deadline", f"must be >= 0 seconds, got {config.reward_url_deadline}")
@@ -158,7 +170,6 @@ def check(config) -> None:
 def _check_scale_out(config) -> None:
     """An engine's own settings need that --engine (esft.engines.registry) and Ray settings --executor ray:
     never silently ignored."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
     owners = [("engine", spec.name, spec.own_settings) for spec in ENGINES.values()]
     for engine_or_executor, wanted, names in (
         *owners, ("executor", "ray", ("workers", "ray_address", "ray_cpus_per_worker", "ray_gpus_per_worker")),
@@ -166,7 +177,7 @@ def _check_scale_out(config) -> None:
         if getattr(config, engine_or_executor) == wanted:
             continue
         for name in names:
-            if getattr(config, name) != defaults[name]:
+            if differs_from_default(config, name):
                 flag = f"--{engine_or_executor} {wanted}"
                 raise ConfigError(name, f"is a setting of {flag}, which this run does not use (--{engine_or_executor} "
                                   f"{getattr(config, engine_or_executor)}); add {flag} or drop it")
@@ -213,10 +224,9 @@ def _check_algorithm(config) -> None:
     for name in ("budget_completions", "budget_tokens"):
         if getattr(config, name) is not None and getattr(config, name) < 1:
             raise ConfigError(name, f"must be >= 1 (or left unset for no limit), got {getattr(config, name)}")
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
     typed = getattr(config, "_typed_grpo", ()) if config.algorithm != "grpo" else ()  # esft.settings.config
     changed = [name for name in (ES_ONLY if config.algorithm == "grpo" else GRPO_ONLY)
-               if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]) or name in typed]
+               if differs_from_default(config, name) or name in typed]
     if changed and config.algorithm == "grpo":
         hint = "; GRPO's batch is --per-device-train-batch-size completions" if changed[0] in ("batch_size", "population_size") else ""
         if changed[0] == "optimizer":
@@ -286,7 +296,7 @@ def reward_weights(config) -> list[float] | None:
     except ValueError:
         raise ConfigError("reward_weights", f"must be comma-separated numbers such as 1,0.5 (or a list); got "
                           f"{shown(config.reward_weights)}") from None
-    if not config.custom_rewards():  # functions given to ESTrainer: it checks the count against them
+    if not custom_rewards(config):  # functions given to ESTrainer: it checks the count against them
         if not all(math.isfinite(w) for w in weights):
             raise ConfigError("reward_weights", f"must be finite numbers, got {shown(config.reward_weights)}")
         return weights
@@ -349,7 +359,7 @@ def _check_data_selection(config) -> None:
         raise ConfigError("prompt_column", "give --prompt-column or --prompt-template, not both (a template names "
                           "its columns itself, e.g. '{context}')")
     for name in ("prompt_column", "prompt_template"):
-        if getattr(config, name) is not None and config.task != "custom" and not config.custom_rewards():
+        if getattr(config, name) is not None and config.task != "custom" and not custom_rewards(config):
             if config.task != "countdown" or config.train_data is not None or config.eval_data is not None:
                 raise ConfigError(name, f"applies to data given with --reward-funcs (or --reward-model, --reward-url) "
                                   f"or to ESTrainer's datasets; --task {config.task} builds its own prompts")
@@ -388,19 +398,18 @@ def _check_variants(config) -> None:
 
 def _check_randopt(config) -> None:
     """ConfigError naming the first invalid RandOpt setting (or one RandOpt does not use) and how to fix it."""
-    defaults = {f.name: f.default for f in dataclasses.fields(config)}
     if config.algorithm != "randopt":
         for name in RANDOPT_OWN:
-            if getattr(config, name) != defaults[name]:
+            if differs_from_default(config, name):
                 raise ConfigError(name, f"is a setting of --algorithm randopt, which this run does not use "
                                   f"(--algorithm {config.algorithm}); add --algorithm randopt or drop it")
         return
     for name in RANDOPT_UNUSED:
-        if getattr(config, name) != (config.sigma / 2 if name == "alpha" else defaults[name]):
+        if differs_from_default(config, name):
             instead = "; its members are scored on --validation-size rows" if name == "batch_size" else ""
             raise ConfigError(name, f"is a setting of the ES update, which --algorithm randopt (no update: N members "
                               f"scored once) does not use{instead}; drop it")
-    if config.iterations not in (0, defaults["iterations"]):
+    if config.iterations not in (0, DEFAULTS["iterations"]):
         raise ConfigError("iterations", "--algorithm randopt scores --population-size members once and has no "
                           "iterations; drop --iterations (the budget: --population-size x --validation-size completions)")
     for name in ("randopt_top_k", "validation_size"):

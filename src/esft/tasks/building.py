@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from esft.settings.rules import ConfigError, reward_weights
+from esft.settings.rules import ConfigError, custom_rewards, reward_weights
 from esft.tasks import TASKS, load_task
 from esft.tasks.base import Task, TaskError
 from esft.tasks.custom import FACTORY_SETTINGS, is_spec, prepare_task, task_from_data, task_from_factory, task_from_objects
@@ -39,10 +39,6 @@ class TaskSettings:
     reward_model_device: str = "auto"
     reward_url_deadline: float = 60.0
 
-    def custom_rewards(self) -> bool:
-        """--reward-funcs, --reward-model or --reward-url given: the task is built from the data files."""
-        return bool(self.reward_funcs or self.reward_model or self.reward_url)
-
 
 def build_task(settings: TaskSettings, reward_funcs: Any = None, train_dataset: Any = None, eval_dataset: Any = None,
                weights: Any = None, accuracy_func: Any = None) -> Task:
@@ -62,7 +58,7 @@ def build_task(settings: TaskSettings, reward_funcs: Any = None, train_dataset: 
 def _task_named(settings: TaskSettings) -> Task:
     """The task the settings name: --reward-funcs/--reward-model/--reward-url data, a --task module:function
     factory, or a registered task (countdown, arithmetic, times-table, conciseness, math)."""
-    if settings.custom_rewards():
+    if custom_rewards(settings):
         return task_from_data(settings.train_data, settings.eval_data, settings.reward_funcs, reward_weights(settings),
                               settings.reward_model, settings.reward_url, settings.reward_model_device,
                               settings.reward_url_deadline, settings.prompt_column, settings.prompt_template,
