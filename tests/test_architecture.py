@@ -71,11 +71,13 @@ ALLOWED = {
     "esft.settings": ("esft.es.fitness", "esft.es.noise", "esft.es.optimizers", "esft.es.schedules",
                       "esft.es.shaping", "esft.es.strategies", "esft.engines.registry"),
     "esft.rewards": ("esft.es.fitness",),
+    "esft.runs": ("esft.rewards.usercode",),
 }
 """Exceptions to FORBIDDEN: a negative member seed is a mirrored one (strategies.antithetic.mirror), and the noise
 must know how to undo it; tell shapes a Fitness with the shaping registry; the settings' ES choices are
 esft.es's registries (one list of each), a schedule is what esft.es.schedules parses, and the engines' what esft.engines.registry says of each; a Scores'
-mean is fitness's mean. All of these are pure."""
+mean is fitness's mean; the file a run's code setting names is the one esft.rewards.usercode would load (found
+without importing it, for the run's signed record). All of these are pure."""
 
 
 def module_name(path: Path) -> str:

@@ -203,13 +203,17 @@ def test_a_resumed_run_does_not_score_its_members_again(tiny_model_dir, tmp_path
     assert [row["iteration"] for row in rows] == [0, 1, 2] and rows[-1]["budget/completions"] == population
     resumed.close()
 
-    config = (tmp_path / "r" / "config.yaml").read_bytes()
+    untouched = ("config.yaml", "status.json", "report.html", "metrics.jsonl", "randopt.json")
+    before = {name: (tmp_path / "r" / name).read_bytes() for name in untouched}
+    listing = sorted(p.name for p in (tmp_path / "r").iterdir())
     other = toy_trainer(tiny_model_dir, tmp_path, population_size=population, validation_size=1, sigma=0.1,
                         randopt_consolidate=False, resume=str(tmp_path / "r"))
     with pytest.raises(TaskError, match="sigma=0.05, this run has 0.1"):  # other members: never mixed in
         other.train()
     other.close()
-    assert (tmp_path / "r" / "config.yaml").read_bytes() == config  # refused: the run's settings are as they were
+    # refused: the run's settings, status, report, rows and record are as they were, nothing set aside
+    assert {name: (tmp_path / "r" / name).read_bytes() for name in untouched} == before
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == listing
     # a record written before --strategy says mirroring as antithetic: true/false, read as the strategy it names
     path = tmp_path / "r" / "randopt.json"
     record = json.loads(path.read_text())
@@ -233,7 +237,8 @@ def test_the_completion_budget_ends_the_scoring_at_the_member_it_allows(tiny_mod
 
 
 # ----------------------------------------------------------------------------- the command line
-def test_esft_train_randopt_writes_seeds_scores_and_a_model_and_esft_eval_votes(tiny_model_dir, tmp_path):
+def test_esft_train_randopt_writes_seeds_scores_and_a_model_and_esft_eval_votes(tiny_model_dir, tmp_path,
+                                                                               monkeypatch):
     flags = ["--model", str(tiny_model_dir), "--task", "arithmetic", "--population-size", "4", "--randopt-top-k", "2",
              "--validation-size", "2", "--max-tokens", "3", "--eval-size", "3", "--no-progress", "--logging", "none",
              "--sigma", "0.05"]
@@ -251,6 +256,17 @@ def test_esft_train_randopt_writes_seeds_scores_and_a_model_and_esft_eval_votes(
                    "--no-progress", "--logging", "none", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr  # the run kept 2; eval re-votes with the best 3 of the 4 scored
     assert "the vote of the best 3 of 4 members" in proc.stderr and "heldout accuracy" in proc.stdout
+
+    def no_model(*_):
+        raise AssertionError("the model was loaded before the record was checked")
+
+    monkeypatch.setattr(RandOptTrainer, "_build_engine", no_model)  # a record that is not this run's: before the model
+    proc, _ = esft("train", "--resume", str(run), "--seed", "7", cwd=tmp_path)
+    assert_user_error(proc, "randopt.json was scored with seed=0, this run has 7")
+    proc, _ = esft("eval", "--model", str(run), "--seed", "7", "--output-dir", str(tmp_path / "evals"), cwd=tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr  # after the line of inherited settings
+    assert proc.stderr.strip().splitlines()[-1].startswith("esft: error: ") and "scored with seed=0, this run has 7" in proc.stderr
+    monkeypatch.undo()
 
     started = time.perf_counter()
     proc, _ = esft("train", "--algorithm", "randopt", *flags, "--randopt-top-k", "5", "--output-dir", str(tmp_path),

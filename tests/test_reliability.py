@@ -216,8 +216,26 @@ def test_a_run_written_between_reading_its_resume_point_and_taking_its_lock_is_r
     with pytest.raises(ConfigError, match="changed while esft read it"):
         open_run(ESConfig(), point)
     fresh = open_run(ESConfig(), find_resume_point(run_dir / "checkpoint-2"))  # read under no race: resumes
-    assert list(run_dir.glob("superseded-*")) and fresh.resume.iteration == 2
+    assert not list(run_dir.glob("superseded-*")) and fresh.resume.iteration == 2  # set aside once weights load
+    fresh.set_aside_later()
+    assert list(run_dir.glob("superseded-*"))
     fresh.close()
+
+
+def test_a_resume_refused_once_the_model_has_loaded_moves_and_rewrites_nothing(finished_run, tmp_path):
+    """A checkpoint whose state does not fit the resumed settings is found out only once the model has loaded
+    (here: --optimizer adam, and the sgd run stored no moments). Refused in one line, and the run directory is
+    as it was: its later checkpoints, final/ and metrics rows stay where they are, and config.yaml, status.json
+    and report.html are not rewritten (they said what the run did, not what the refused resume tried)."""
+    run_dir = copy_run(finished_run, tmp_path)
+    kept = ("config.yaml", "status.json", "report.html", "metrics.jsonl")
+    before = {name: (run_dir / name).read_bytes() for name in kept}
+    listing = sorted(p.name for p in run_dir.iterdir())
+    proc = run([sys.executable, str(TESTS / "toy_task.py"), "train", "--resume", str(run_dir / "checkpoint-2"),
+                "--iterations", "3", "--optimizer", "adam"], tmp_path)
+    one_error_line(proc, "holds no optimizer state", "resume it with --optimizer sgd")
+    assert sorted(p.name for p in run_dir.iterdir() if p.name != ".esft.lock") == listing  # nothing set aside
+    assert {name: (run_dir / name).read_bytes() for name in kept} == before
 
 
 def test_a_checkpoint_of_another_run_copied_into_a_run_is_refused_with_nothing_moved(finished_run,

@@ -214,8 +214,8 @@ def test_your_own_run_resumes_without_the_opt_in_and_nobody_elses_does(tiny_mode
     (tmp_path / "rewards.py").write_text("def length(prompts, completions, **kw):\n    return [len(c) for c in completions]\n")
     mine, theirs = tmp_path / "cache-mine", tmp_path / "cache-theirs"
 
-    def run(cache: Path, *argv: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "esft", *argv], cwd=tmp_path, capture_output=True, text=True,
+    def run(cache: Path, *argv: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "esft", *argv], cwd=cwd, capture_output=True, text=True,
                               env={**ENV, "ESFT_CACHE": str(cache)}, timeout=300)
 
     small = ("--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-batch-size", "2",
@@ -233,6 +233,40 @@ def test_your_own_run_resumes_without_the_opt_in_and_nobody_elses_does(tiny_mode
     assert "settings written by your esft, unedited" in resumed.stderr and "--reward-funcs rewards.py:length" in resumed.stderr
     evaluated = run(mine, "eval", "--model", "runs/own/final")
     assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+
+    # issue 66, case 3: the signature vouches for the files the settings named (absolute paths, digests), not for
+    # the strings: the run copied and resumed from a directory holding another rewards.py and train.jsonl
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(tmp_path / "runs", other / "runs", ignore=shutil.ignore_patterns(".esft.lock"))
+    marker = other / "imported"
+    (other / "rewards.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                      "def length(prompts, completions, **kw):\n    return [0.0 for c in completions]\n")
+    (other / "train.jsonl").write_text((tmp_path / "train.jsonl").read_text())
+    moved = run(mine, "train", "--resume", "runs/own", "--iterations", "3", cwd=other)
+    line = one_error_line(moved, "your esft wrote these settings, but", "pass --trust-run-code")
+    assert f"--reward-funcs rewards.py:length names {(other / 'rewards.py').resolve()} from here, the run used " \
+           f"{(tmp_path / 'rewards.py').resolve()}" in line and "--train-data train.jsonl names" in line
+    assert not marker.exists() and not list((other / "runs" / "own").glob("superseded-*"))
+    data = (tmp_path / "train.jsonl").read_text()
+    (tmp_path / "train.jsonl").write_text(data + json.dumps({"prompt": "say 99"}) + "\n")  # the same path, other rows
+    changed = run(mine, "train", "--resume", "runs/own", "--iterations", "3")
+    one_error_line(changed, f"{(tmp_path / 'train.jsonl').resolve()} changed since the run recorded it")
+    (tmp_path / "train.jsonl").write_text(data)
+
+    # case 4: the checkpoint's file digests are under the signature: an edited chat template whose digest was
+    # edited to match no longer passes for what the user's esft wrote
+    from esft.files import file_digest
+
+    tokenizer_config = tmp_path / "runs" / "own" / "final" / "tokenizer_config.json"
+    original = tokenizer_config.read_bytes()
+    tokenizer_config.write_text(json.dumps({**json.loads(original), "chat_template": "{{ 'edited' }}"}))
+    edit_state(tokenizer_config.parent, lambda state: state["files"].update(
+        {"tokenizer_config.json": file_digest(tokenizer_config)}))
+    edited = run(mine, "eval", "--model", "runs/own/final")
+    assert "unedited" not in edited.stderr
+    one_error_line(edited, "--reward-funcs rewards.py:length", "pass --trust-run-code")
 
     elsewhere = run(theirs, "train", "--resume", "runs/own", "--iterations", "3")
     assert elsewhere.returncode == 2 and "pass --trust-run-code" in one_error_line(elsewhere)

@@ -241,7 +241,7 @@ def resolve_config(command: str, given: dict[str, Any]):
         except CheckpointError as error:
             raise UserError(str(error)) from None
     if command == "eval" and (model or adapter) and (found := run_settings_of(model, adapter)):
-        inherited, path, signed = found
+        inherited, path, signed, named = found
         where = f"--lora-adapter {adapter}" if adapter and Path(adapter).expanduser() == path else f"--model {model}"
         overridden = set(from_yaml) | set(given)
         settings |= inherited
@@ -251,8 +251,9 @@ def resolve_config(command: str, given: dict[str, Any]):
     if command == "eval" and inherited.get("algorithm") == "randopt" and model and Path(model).expanduser().is_dir():
         settings["model"] = inherited["model"]  # a RandOpt run directory: its base model, perturbed by its members
     if inherited:  # a directory's settings import no code, read no data, reach no service by themselves (esft.runs.inherited)
-        signed = point.signed if point is not None else signed
-        check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where, signed)
+        signed, named = (point.signed, point.named_files) if point is not None else (signed, named)
+        check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where, signed,
+                        named)
     preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
     for line in dropped:
         print(f"esft: {line}", file=sys.stderr)
@@ -343,9 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             elif config.algorithm == "randopt":  # esft eval RUN_DIR: that run's kept members vote
                 from esft.randopt.trainer import RandOptTrainer
 
-                trainer = RandOptTrainer(args=config, run=run)
-                if ensemble is not None:
-                    trainer.load_record(ensemble)
+                trainer = RandOptTrainer(args=config, run=run, record=ensemble)  # records checked before the model loads
             else:
                 trainer = ESTrainer(args=config, run=run)
         except (TaskError, ConfigError, ImportError, FileNotFoundError, RecordError, GGUFError) as error:

@@ -188,6 +188,7 @@ class ESTrainer:
             resume = args.resume
             self.run = open_run(args, find_resume_point(resume) if resume else None)
         self._trained = True
+        self._began = False  # set by _begin once a resume's checks passed: a refused resume writes nothing
         status = "interrupted"  # Ctrl-C (KeyboardInterrupt) leaves it so
         try:
             self._result = self._train()
@@ -199,14 +200,17 @@ class ESTrainer:
             status = "stopped: error"
             raise
         finally:
-            write_status(self.run_dir, status)  # what esft report says of the run
+            refused = self.run.resume is not None and not self._began  # the run directory stays as it was
+            if not refused:
+                write_status(self.run_dir, status)  # what esft report says of the run
             if self._progress is not None:
                 self._progress.close()  # an error line after this starts on a line of its own
             console.detach()
             if self._logger is not None:
                 self._logger.close()
             try:  # report.html is the run's last file: written while the run directory is still held
-                self.report_path = report_after_training(self.run_dir)
+                if not refused:
+                    self.report_path = report_after_training(self.run_dir)
             finally:
                 self._release_run()
 
@@ -244,11 +248,14 @@ class ESTrainer:
         the evaluation before training, the progress bar. Returns the iteration the run starts at."""
         args, point = self.args, self.run.resume
         self.failure_totals = {}
-        self.run.write_config(args)
         start = 0
         if point is not None and point.checkpoint is not None:
-            self._load_checkpoint(point.checkpoint)
+            self._load_checkpoint(point.checkpoint)  # refused here (weights that do not fit): nothing moved or written
             start = point.iteration
+        self.run.set_aside_later()  # what a resumed run did after its resume point (esft.runs.directory)
+        self.run.write_config(args)
+        self._began = True
+        if point is not None and point.checkpoint is not None:
             for skipped in point.skipped:
                 print(f"esft: passed over a damaged checkpoint: {skipped}", file=sys.stderr)
             print(f"resumed from {point.checkpoint} at iteration {start}", file=sys.stderr)
@@ -376,7 +383,7 @@ class ESTrainer:
     def _save(self, directory: Path) -> None:
         checksum = self.engine.checksum()
         state = {"iteration": self.state.iteration, "seed": self.args.seed, "run_id": self.run.run_id,
-                 "config": self.args.to_dict(), "checksum": checksum,
+                 "named_files": self.run.named_files, "config": self.args.to_dict(), "checksum": checksum,
                  "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {}), "learning": self._watch.record(checksum)}
         save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
 

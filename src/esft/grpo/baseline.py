@@ -160,5 +160,5 @@ class GRPOBaseline(ESTrainer):
         else:
             files = TRLCheckpointFiles(self.run.resume.checkpoint / TRL_DIR, move=False)
         state = {"iteration": self.state.iteration, "seed": self.args.seed, "run_id": self.run.run_id,
-                 "config": self.args.to_dict(), "checksum": self.engine.checksum(), "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
+                 "named_files": self.run.named_files, "config": self.args.to_dict(), "checksum": self.engine.checksum(), "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {})}
         save_checkpoint(files, directory, state, save_master=False)

@@ -29,8 +29,8 @@ from esft.loop.reward_faults import count_failures, failure_summary, stop_if_uns
 from esft.randopt.selection import consolidation_weights, top_k, validation_indices, vote
 from esft.rewards.runner import RewardFunc
 from esft.runs.metrics import MetricsLogger
-from esft.runs.randopt_record import (MEMBERS, RECORD_FILE, RecordError, check_identity, identity_of, read_record,
-                                      record_path, write_record)
+from esft.runs.randopt_record import (IDENTITY, MEMBERS, RECORD_FILE, RecordError, check_identity, identity_of,
+                                      read_record, record_path, write_record)
 from esft.settings.config import ConfigError, ESConfig, es_config
 from esft.settings.rules import shown
 from esft.tasks.base import Task, TaskError
@@ -56,6 +56,22 @@ def check_members(record: dict[str, Any], where: str, population_size: int) -> N
                               f"[-{SEED_RANGE}, {SEED_RANGE}) and a finite reward); start a new run")
 
 
+def checked_record(path: Any, args: ESConfig, names: tuple[str, ...]) -> dict[str, Any]:
+    """The record at `path` (a run directory or its randopt.json), read and checked against the settings
+    `names` of `args` and its population (RecordError saying why it is not this run's)."""
+    record, where = read_record(path), str(record_path(path) or path)
+    check_identity(record, args.to_dict(), where, names)
+    check_members(record, where, args.population_size)
+    return record
+
+
+def resumed_record(run_dir: Any, args: ESConfig) -> dict[str, Any] | None:
+    """The record a resumed run directory holds (None: none), checked as this run's (every IDENTITY setting)."""
+    if record_path(run_dir) is None:
+        return None
+    return checked_record(run_dir, args, IDENTITY)
+
+
 class RandOptTrainer(ESTrainer):
     """RandOpt with ESTrainer's interface, task, rewards, evaluation and run directory; `args.algorithm`
     must be "randopt". After train(), `kept` holds the K members (seed, reward), best first, and
@@ -63,14 +79,22 @@ class RandOptTrainer(ESTrainer):
     a finished run's ensemble, as `esft eval --model RUN_DIR` does."""
 
     def __init__(self, model: Any = None, reward_funcs: RewardFunc | Sequence[RewardFunc] | None = None,
-                 args: ESConfig | None = None, **kwargs: Any):
+                 args: ESConfig | None = None, record: Any = None, **kwargs: Any):
+        """ESTrainer's arguments; `record`: a RandOpt record (a run directory or its randopt.json) whose kept
+        members vote, as load_record. Both that record and the record of a resumed `run` are checked before the
+        model loads (RecordError)."""
         args = es_config(args, algorithm="randopt")
         if args.algorithm != "randopt":
             raise ConfigError("algorithm", f"RandOptTrainer runs --algorithm randopt, got {args.algorithm!r}")
         self.kept: list[dict[str, Any]] = []
         """The voting members, best first (empty: evaluate() evaluates the weights as they are)."""
         self.record: dict[str, Any] = {}
+        if kwargs.get("run") is not None:
+            resumed_record(kwargs["run"].path, args)
+        voters = checked_record(record, args, MEMBERS) if record is not None else None
         super().__init__(model, reward_funcs, args, **kwargs)
+        if voters is not None:
+            self._vote_with(voters, record)
 
     def _build_task(self, *task_args: Any) -> Task:
         """ESTrainer's task, and its validation rows (before any model loads: a bad size is one line)."""
@@ -85,9 +109,9 @@ class RandOptTrainer(ESTrainer):
     def load_record(self, path: Any) -> None:
         """Vote with the best --randopt-top-k members of a RandOpt record (a run directory or its randopt.json),
         whose settings must be these (RecordError otherwise)."""
-        record = read_record(path)
-        check_identity(record, self.args.to_dict(), str(path), MEMBERS)  # --max-tokens, data... may differ
-        check_members(record, str(path), self.args.population_size)
+        self._vote_with(checked_record(path, self.args, MEMBERS), path)
+
+    def _vote_with(self, record: dict[str, Any], path: Any) -> None:
         # the best K of every scored member, K = --randopt-top-k (the run's unless given): K = 1, 5, 10 of one run
         # are compared without scoring anything again (top_k is a function of the scores, so the run's own K
         # selects the members its record keeps)
@@ -189,17 +213,17 @@ class RandOptTrainer(ESTrainer):
         self.failure_totals = {}
         settings = identity_of(args.to_dict())
         self.record = {"format": 1, "settings": settings, "sigma": args.sigma, "members": [], "rows": []}
-        if record_path(self.run_dir) is not None:
-            try:
-                record = read_record(self.run_dir)
-                check_identity(record, settings, str(self.run_dir / RECORD_FILE))
-                check_members(record, str(self.run_dir / RECORD_FILE), args.population_size)
-            except RecordError as error:
-                raise TaskError(str(error)) from None
+        try:  # checked before the model loads where the run was claimed first (the CLI); again here for train(DIR)
+            record = resumed_record(self.run_dir, args)
+        except RecordError as error:
+            raise TaskError(str(error)) from None
+        if record is not None:
             self.record = record | {"kept": [], "consolidation": None}
             print(f"esft: resumed {self.run_dir}: {len(record['members'])} members already scored "
                   f"({RECORD_FILE}); they are not scored again", file=sys.stderr)
-        self.run.write_config(args)  # after the record's check: a refused resume leaves the run's settings as they were
+        self.run.set_aside_later()  # after the record's check: a refused resume moves and rewrites nothing
+        self.run.write_config(args)
+        self._began = True
         self._logger = MetricsLogger(self.run_dir, args.logging, args.to_dict(), self.run_dir.name)
         self.initial_metrics = self.record.get("before") or self._evaluate_or_stop(0, "nothing was scored")
         self.record["before"] = self.initial_metrics

@@ -1,7 +1,8 @@
 """Loading the user's code, and sending it to other processes: one place for tasks, reward functions,
 the reward sandbox and Ray actors.
 
-- `load_callable("module:fn" | "path/to/file.py:fn")`: what `--task` and `--reward-funcs` name.
+- `load_callable("module:fn" | "path/to/file.py:fn")`: what `--task` and `--reward-funcs` name;
+  `source_file(spec)`: the file it would load, found without importing it (esft.runs.named_files).
 - `ship(func)`: how a callable reaches a worker process. A function that a fresh process can import
   by name goes by reference (module + qualified name); anything else goes by value with cloudpickle
   (the library Ray, Dask and joblib use for this): functions of the `__main__` script (guarded or
@@ -83,7 +84,7 @@ def load_callable(spec: str, option: str) -> Callable:
     target, _, name = spec.rpartition(":")
     if not target or not name.isidentifier():
         raise UserCodeError(f"{option} {spec}: expected module:function or path/to/file.py:function")
-    if target.endswith(".py") or os.sep in target or "/" in target:
+    if _names_a_file(target):
         path = Path(target).expanduser()
         if not path.is_file():
             raise UserCodeError(f"{option} {spec}: {path} is not a file")
@@ -111,6 +112,38 @@ def load_callable(spec: str, option: str) -> Callable:
     if not callable(func):
         raise UserCodeError(f"{option} {spec}: {name!r} is a {type(func).__name__}, not a function")
     return func
+
+
+def _names_a_file(target: str) -> bool:
+    """`path/to/file.py` rather than an importable module name (the part of a spec before its ':')."""
+    return target.endswith(".py") or os.sep in target or "/" in target
+
+
+def source_file(spec: str) -> Path | None:
+    """The Python file that `load_callable(spec)` would load, found from here without importing or
+    executing anything: a path made absolute, or the module's file on the import path load_callable
+    uses (the current directory first, as for a console script). None when nothing is found (the load
+    would fail), or the module has no file of its own (built in, frozen, a namespace package)."""
+    target = spec.rpartition(":")[0]
+    if not target:
+        return None
+    if _names_a_file(target):
+        path = Path(target).expanduser()
+        return path.resolve() if path.is_file() else None
+    module = sys.modules.get(target)  # what import_module would return: the module already loaded
+    if module is not None:
+        origin = getattr(module, "__file__", None)
+        return Path(origin).resolve() if origin else None
+    search = sys.path if os.getcwd() in sys.path or "" in sys.path else [os.getcwd(), *sys.path]
+    search = [os.path.abspath(entry or os.getcwd()) for entry in search]
+    found = None
+    for part in target.split("."):  # a.b.c: `a` on the path, then `b` among a's submodules, ...
+        found = importlib.machinery.PathFinder.find_spec(part, search)
+        if found is None:
+            return None
+        search = list(found.submodule_search_locations or [])
+    origin = found.origin if found is not None else None
+    return Path(origin).resolve() if origin and os.path.isfile(origin) else None
 
 
 # ----------------------------------------------------------------------------- shipping

@@ -10,7 +10,9 @@ a folder of its own, because vLLM loads every top-level *.safetensors file of a 
 weights (and would refuse the moments' names).
 `trainer_state.json` records a digest of every other file of the checkpoint and the checksum of the
 weights: `verify` checks the files before any model loads, `load_master` checks the weights once
-loaded, so a corrupted, truncated or incomplete checkpoint is never trained on.
+loaded, so a corrupted, truncated or incomplete checkpoint is never trained on. The state is signed
+whole (`state_signed`): digests alone say a file is intact, the signature that this user's esft wrote
+them.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from typing import Any
 
 from esft.files import (SETTINGS_LIMIT, directory_digests, directory_written_atomically, file_digest, read_regular_text,
                         write_text_atomic)
-from esft.runs.signature import sign
+from esft.runs.signature import sign, signed_whole
 
 STATE_FILE = "trainer_state.json"
 MASTER_FILE = "master.safetensors"
 OPTIMIZER_FILE = "optimizer/optimizer.safetensors"
+SIGNATURE = "settings_signature"
+"""The trainer state's key holding this user's signature of the rest of it (esft.runs.signature)."""
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 MAX_ITERATION = 10**9
 """The largest iteration a trainer state may record (a hand-edited 10**30 is refused, not trained towards)."""
@@ -54,9 +58,10 @@ def save_checkpoint(engine, directory: Path, state: dict[str, Any], save_master:
 
                 (tmp / OPTIMIZER_FILE).parent.mkdir()
                 save_file(optimizer_state, str(tmp / OPTIMIZER_FILE))
-            state = {**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}
-            if isinstance(state.get("config"), dict):  # the user's own settings resume without the opt-in
-                state["settings_signature"] = sign(state["config"])
+            state = json.loads(json.dumps({**state, "files": directory_digests(tmp, skip=(STATE_FILE,))}))
+            # signed whole, as it reads back: the user's own checkpoint resumes without the opt-in, and a digest
+            # edited to match an edited file (or an edited setting) no longer passes for what their esft wrote
+            state[SIGNATURE] = sign(state)
             write_text_atomic(tmp / STATE_FILE, json.dumps(state, indent=2, sort_keys=True))
     except BaseException as error:
         if not isinstance(error, OSError) and (os_error := _os_error_in(error, directory)) is not None:
@@ -110,6 +115,12 @@ def read_state(checkpoint: Path) -> dict[str, Any]:
     if problem:
         raise CheckpointError(f"{path}: {problem}")
     return state
+
+
+def state_signed(state: dict[str, Any]) -> bool:
+    """Whether this user's esft wrote the trainer `state` as it is: its settings, file digests, named files and
+    run id (esft.runs.signature)."""
+    return signed_whole(state, SIGNATURE)
 
 
 def _state_problem(state: dict[str, Any], number: int | None) -> str | None:

@@ -11,9 +11,10 @@
   its recorded digest), saying which ones it passed over. A run killed before its first checkpoint
   resumes from the start with its own settings.
 - `open_run(args, resume_point)` claims the directory; a directory that changed since its resume point was
-  read (another process was still writing it) is refused, nothing moved. Resuming at iteration N sets aside what the
-  run did after N (later checkpoints, `final/`, metrics rows, evaluation files, TensorBoard events
-  of a restart from scratch) into `superseded-<time>/`: nothing is lost, nothing is mixed in.
+  read (another process was still writing it), or whose checkpoint another run wrote, is refused, nothing moved.
+  Once the resumed weights have loaded, `RunDir.set_aside_later` moves what the run did after its resume point N
+  (later checkpoints, `final/`, metrics rows, evaluation files, TensorBoard events of a restart from scratch)
+  into `superseded-<time>/`: nothing is lost, nothing is mixed in, and a resume refused before then moves nothing.
 """
 
 from __future__ import annotations
@@ -31,12 +32,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from esft.runs.checkpoint import STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state, verify
+from esft.runs.checkpoint import (STATE_FILE, checkpoint_number, is_checkpoint, list_checkpoints, read_state,
+                                  state_signed, verify)
 from esft.settings.config import ConfigError, ESConfig
 from esft.files import (METRICS_LIMIT, SETTINGS_LIMIT, YamlTooLarge, load_yaml, read_regular_text,
                         write_text_atomic)
 from esft.runs.metrics import METRICS_FILE
-from esft.runs.signature import signed_by_user, signed_yaml, yaml_signature
+from esft.runs.named_files import named_files
+from esft.runs.randopt_record import record_vouched
+from esft.runs.signature import signed_yaml, yaml_vouched
 
 LOCK_FILE = ".esft.lock"
 CONFIG_FILE = "config.yaml"
@@ -66,6 +70,8 @@ class ResumePoint:
     """Newer checkpoints passed over, each with why."""
     signed: bool = False
     """The settings carry this user's signature (esft.runs.signature): written by them, unedited."""
+    named_files: list | None = None
+    """The code and data files the settings named when the run wrote them (esft.runs.named_files)."""
     seen: tuple | None = None
     """What the run directory held when the point was read (its_contents): open_run compares it again
     once it holds the lock, so a run another process was still writing is refused, never set aside."""
@@ -82,10 +88,7 @@ def find_resume_point(path: str | Path) -> ResumePoint:
         if problem:
             raise ResumeError(f"{problem}; resume from the run directory {path.parent} to use its newest intact checkpoint")
         seen = its_contents(path.parent)
-        state = read_state(path)
-        return ResumePoint(path.parent, path, state["iteration"], state["config"],
-                           signed=signed_by_user(state["config"], state.get("settings_signature")), seen=seen,
-                           run_id=state.get("run_id"))
+        return _point(path.parent, path, read_state(path), [], seen)
     if not path.is_dir():
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory")
     seen = its_contents(path)
@@ -95,18 +98,23 @@ def find_resume_point(path: str | Path) -> ResumePoint:
     for checkpoint in sorted(candidates, key=lambda c: (_iteration_of_dir(c) or -1, c.name != "final"), reverse=True):
         problem = verify(checkpoint)
         if problem is None:
-            state = read_state(checkpoint)
-            return ResumePoint(path, checkpoint, state["iteration"], state["config"], skipped,
-                               signed_by_user(state["config"], state.get("settings_signature")), seen,
-                               state.get("run_id"))
+            return _point(path, checkpoint, read_state(checkpoint), skipped, seen)
         skipped.append(problem)
     if skipped:
         raise ResumeError(f"no checkpoint of {path} is intact ({'; '.join(skipped)})")
     if not os.path.lexists(path / CONFIG_FILE):
         raise ResumeError(f"{path} is neither a checkpoint nor a run directory (no checkpoint-<N>, no {CONFIG_FILE})")
     config = read_run_yaml(path / CONFIG_FILE)
-    signature = yaml_signature(read_regular_text(path / CONFIG_FILE, SETTINGS_LIMIT))
-    return ResumePoint(path, None, 0, config, signed=signed_by_user(config, signature), seen=seen)
+    signed, named = yaml_vouched(read_regular_text(path / CONFIG_FILE, SETTINGS_LIMIT), config)
+    return ResumePoint(path, None, 0, config, signed=signed and record_vouched(path), seen=seen, named_files=named)
+
+
+def _point(run_dir: Path, checkpoint: Path, state: dict[str, Any], skipped: list[str], seen: tuple) -> ResumePoint:
+    """The resume point of a verified checkpoint, vouched for when its whole state carries this user's
+    signature (and a RandOpt run's record does: esft.runs.randopt_record)."""
+    return ResumePoint(run_dir, checkpoint, state["iteration"], state["config"], skipped,
+                       signed=state_signed(state) and record_vouched(run_dir), named_files=state.get("named_files"),
+                       seen=seen, run_id=state.get("run_id"))
 
 
 def run_id_of(path: Path) -> str | None:
@@ -162,7 +170,11 @@ class RunDir:
         self.resume = resume
         self.run_id = run_id or secrets.token_hex(8)
         """This run's id (RUN_ID_PREFIX): config.yaml and every checkpoint carry it."""
+        self.named_files: list[dict[str, Any]] = []
+        """The code and data files the settings name (esft.runs.named_files), recorded by write_config: every
+        checkpoint carries them under its signature."""
         self._lock_fd: int | None = lock_fd
+        self._set_aside = False
         self._created = created
         """The outermost directory open_run created for this run (removed again if setup fails)."""
 
@@ -175,9 +187,17 @@ class RunDir:
         import yaml
 
         settings = {**args.to_dict(), "output_dir": str(self.path.parent), "run_name": self.path.name, "resume": None}
+        self.named_files = named_files(settings)
         body = yaml.safe_dump(settings, sort_keys=False, allow_unicode=True)
-        text = signed_yaml(settings, body) + f"{RUN_ID_PREFIX}{self.run_id}\n"  # signature: esft.runs.signature
+        text = signed_yaml(settings, body, self.named_files) + f"{RUN_ID_PREFIX}{self.run_id}\n"  # esft.runs.signature
         write_text_atomic(self.path / CONFIG_FILE, text)
+
+    def set_aside_later(self) -> None:
+        """Resumed: move what the run did after its resume point into superseded-<time>/ (module docstring), once.
+        Called by the trainer once the resumed weights have loaded: a resume refused before then moves nothing."""
+        if self.resume is not None and not self._set_aside:
+            _set_aside_later(self.path, self.resume)
+        self._set_aside = True
 
     def discard_if_unused(self) -> None:
         """Remove a new run directory nothing was written to (setup failed), and release it."""
@@ -249,7 +269,6 @@ def open_run(args: ESConfig, resume: ResumePoint | None = None) -> RunDir:
                                   f"{path / CONFIG_FILE} is run {own}): resume the directory that run wrote, or copy a "
                                   "whole run directory, never a checkpoint into another run; nothing was moved")
             _remove_stale_temporaries(path)
-            _set_aside_later(path, resume)
         except BaseException:
             os.close(fd)
             raise

@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state
-from esft.runs.randopt_record import RECORD_FILE
-from esft.runs.signature import signed_by_user
+from esft.runs.checkpoint import CheckpointError, is_checkpoint, read_state, state_signed
+from esft.runs.randopt_record import RECORD_FILE, record_vouched
 
 EVAL_INHERITS = ("task", "train_data", "eval_data", "reward_funcs", "reward_weights", "difficulty", "train_size",
                  "eval_size", "seed", "max_tokens", "eval_batch_size", "eval_samples", "temperature", "top_p",
@@ -27,15 +26,16 @@ SHOWN = ("task", "train_data", "eval_data", "reward_funcs", "reward_model", "rew
 """The settings of an evaluation's one line (esft eval prints it every time)."""
 
 
-def _config_of(path: Path) -> tuple[dict[str, Any], bool] | None:
-    """The run settings recorded for a weights directory, and whether they carry this user's signature
-    (esft.runs.signature); None if it is not a run's."""
+def _config_of(path: Path) -> tuple[dict[str, Any], bool, list | None] | None:
+    """The run settings recorded for a weights directory, whether they carry this user's signature
+    (esft.runs.signature), and the code and data files they named (esft.runs.named_files); None if it is
+    not a run's."""
     if is_checkpoint(path):
         try:
             state = read_state(path)
         except CheckpointError:
             return None
-        return state["config"], signed_by_user(state["config"], state.get("settings_signature"))
+        return state["config"], state_signed(state), state.get("named_files")
     ensemble = path.is_dir() and (path / RECORD_FILE).is_file()  # a RandOpt run: its kept members vote
     if ensemble or (path.name == "final-merged" and path.is_dir()):  # LoRA-ES: the run's final/ holds the state
         found = None if ensemble else _config_of(path.parent / "final")
@@ -45,19 +45,22 @@ def _config_of(path: Path) -> tuple[dict[str, Any], bool] | None:
         if config_file.is_file():
             from esft.files import SETTINGS_LIMIT, read_regular_text
             from esft.runs.directory import ResumeError, read_run_yaml
-            from esft.runs.signature import yaml_signature
+            from esft.runs.signature import yaml_vouched
 
             try:
                 config = read_run_yaml(config_file)
             except ResumeError:
                 return None
-            return config, signed_by_user(config, yaml_signature(read_regular_text(config_file, SETTINGS_LIMIT)))
+            signed, named = yaml_vouched(read_regular_text(config_file, SETTINGS_LIMIT), config)
+            return config, signed and record_vouched(config_file.parent), named
     return None
 
 
-def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple[dict[str, Any], Path, bool] | None:
-    """The settings `esft eval` inherits, the directory they come from, and whether they carry this
-    user's signature (esft.runs.signature), when `model` or `lora_adapter` is a run's weights; else None."""
+def run_settings_of(model: str | None, lora_adapter: str | None = None
+                    ) -> tuple[dict[str, Any], Path, bool, list | None] | None:
+    """The settings `esft eval` inherits, the directory they come from, whether they carry this user's
+    signature (esft.runs.signature) and the files they named (esft.runs.named_files), when `model` or
+    `lora_adapter` is a run's weights; else None."""
     for candidate in (lora_adapter, model):
         if not candidate:
             continue
@@ -65,12 +68,12 @@ def run_settings_of(model: str | None, lora_adapter: str | None = None) -> tuple
         found = _config_of(path)
         if found is None:
             continue
-        config, signed = found
+        config, signed, named = found
         inherited = {name: config[name] for name in EVAL_INHERITS if name in config}
         inherited["base_model"] = config.get("base_model") or config.get("model")  # KL against the run's own base
         if (path / RECORD_FILE).is_file():  # the base model, and what regenerates and selects its members
             inherited |= {name: config[name] for name in RANDOPT_INHERITS if name in config}
-        return inherited, path, signed
+        return inherited, path, signed, named
     return None
 
 

@@ -16,6 +16,7 @@ import dataclasses
 import sys
 from typing import Any
 
+from esft.runs.named_files import changed_files
 from esft.settings.config import ESConfig
 from esft.settings.rules import SHOWN_CHARS, shown
 
@@ -63,23 +64,27 @@ def named_outside(settings: dict[str, Any]) -> list[str]:
 
 
 def check_inherited(inherited: dict[str, Any], explicit: set[str], trusted: bool, where: str,
-                    signed: bool = False) -> None:
+                    signed: bool = False, recorded_files: Any = None) -> None:
     """Stop (InheritedSettingsError) when settings taken from a directory, and not given again by the
     user (`explicit`), name code, data files or reward services, unless `trusted` (--trust-run-code)
-    or `signed` (this user's esft wrote them, unedited: esft.runs.signature); then say in one line
-    what was taken."""
-    named = named_outside({name: value for name, value in inherited.items() if name not in explicit})
+    or `signed` (this user's esft wrote them, unedited: esft.runs.signature) and each code and data file
+    they name is the one the run recorded (`recorded_files`, esft.runs.named_files: same absolute path,
+    same digest); then say in one line what was taken. The refusal names each file that moved or changed."""
+    taken = {name: value for name, value in inherited.items() if name not in explicit}
+    named = named_outside(taken)
     if not named:
         return
     if trusted:
         print(f"esft: --trust-run-code: taking the code, data and services that {where} names: {', '.join(named)}",
               file=sys.stderr)
         return
-    if signed:
+    changed = changed_files(recorded_files, taken, set(taken)) if signed else []
+    if signed and not changed:
         print(f"esft: taking the code, data and services that {where} names (settings written by your esft, unedited: "
-              f"their signature verifies): {', '.join(named)}", file=sys.stderr)
+              f"their signature verifies, and so do the files they name): {', '.join(named)}", file=sys.stderr)
         return
+    why = f" (your esft wrote these settings, but {'; '.join(changed)})" if changed else ""
     raise InheritedSettingsError(f"{where} names code, data files or reward services ({', '.join(named)}), which esft "
-                                 "does not take from a run's settings by itself (a copied run could send your files "
-                                 f"and API key elsewhere): if you trust it, give them again ({' '.join(named)}) or "
-                                 "pass --trust-run-code")
+                                 f"does not take from a run's settings by itself{why} (a copied run could run other "
+                                 f"code or send your files and API key elsewhere): if you trust it, give them again "
+                                 f"({' '.join(named)}) or pass --trust-run-code")

@@ -10,9 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from esft.files import SETTINGS_LIMIT, read_regular_text, write_text_atomic
+from esft.runs.signature import sign, signed_whole
 
 RECORD_FILE = "randopt.json"
 FORMAT = 1
+SIGNATURE = "signature"
+"""The record's key holding this user's signature of the rest of it (esft.runs.signature)."""
 IDENTITY = ("model", "task", "train_data", "train_rows", "train_size", "difficulty", "seed", "sigma", "noise",
             "rank", "trainable", "strategy", "dtype", "population_size", "validation_size", "max_tokens",
             "prompt_format", "reward_funcs", "reward_weights", "failed_samples")
@@ -51,8 +54,22 @@ def read_record(path: str | Path) -> dict[str, Any]:
 
 
 def write_record(run_dir: Path, record: dict[str, Any]) -> None:
-    """Replace the run's record atomically (a kill leaves the old one or the new one, never half of one)."""
-    write_text_atomic(Path(run_dir) / RECORD_FILE, json.dumps(record, indent=1) + "\n")
+    """Replace the run's record atomically (a kill leaves the old one or the new one, never half of one), signed
+    as it reads back."""
+    record = json.loads(json.dumps({key: value for key, value in record.items() if key != SIGNATURE}))
+    write_text_atomic(Path(run_dir) / RECORD_FILE, json.dumps({**record, SIGNATURE: sign(record)}, indent=1) + "\n")
+
+
+def record_vouched(run_dir: Path) -> bool:
+    """True unless the run directory holds a randopt.json that is not this user's esft's, as written (no record:
+    nothing to vouch for). A run's settings count as the user's own only with its record."""
+    if record_path(run_dir) is None:
+        return True
+    try:
+        record = read_record(run_dir)
+    except RecordError:
+        return False
+    return signed_whole(record, SIGNATURE)
 
 
 def identity_of(config: dict[str, Any]) -> dict[str, Any]:

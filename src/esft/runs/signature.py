@@ -3,12 +3,15 @@
 A run's settings may name code, data files and reward services (esft.runs.inherited), which a copied
 or downloaded run directory must not get to use by itself. A run the user wrote themselves is not
 such a directory, and asking them for --trust-run-code on every resume of their own run would only
-teach them to pass it. So esft signs the settings it writes (config.yaml, every trainer_state.json)
-with a key only this user's esft can read: an HMAC-SHA256 of the settings under a random 32-byte key
-kept in esft's cache ($ESFT_CACHE, else $XDG_CACHE_HOME/esft or ~/.cache/esft: `run-key`, mode 0600, created on first use).
-Settings whose signature verifies were written by this user's esft, unedited, and are taken as
-the user's own; anything else (another user's run, a hand edit, no signature, a key that cannot be
-read or is readable by others) needs the opt-in as before. Nothing here is secret but the key.
+teach them to pass it. So esft signs what it writes with a key only this user's esft can read: an
+HMAC-SHA256 under a random 32-byte key kept in esft's cache ($ESFT_CACHE, else $XDG_CACHE_HOME/esft
+or ~/.cache/esft: `run-key`, mode 0600, created on first use). Signed are config.yaml's settings
+with the code and data files they name (absolute paths and digests: esft.runs.named_files), a
+checkpoint's whole trainer_state.json (settings, the digests of the checkpoint's files, the named
+files, the run id) and RandOpt's randopt.json. What verifies was written by this user's esft,
+unedited, and is taken as the user's own; anything else (another user's run, a hand edit, no
+signature, a key that cannot be read or is readable by others) needs the opt-in. Nothing here is
+secret but the key.
 """
 
 from __future__ import annotations
@@ -83,13 +86,33 @@ def signed_by_user(settings: dict[str, Any], signature: Any) -> bool:
     return key is not None and hmac.compare_digest(_digest(key, settings), signature)
 
 
-def yaml_signature(text: str) -> str | None:
-    """The signature on a config.yaml's first line, if any."""
-    first = text.split("\n", 1)[0]
-    return first[len(YAML_PREFIX):].strip() if first.startswith(YAML_PREFIX) else None
+def signed_whole(record: dict[str, Any], key: str) -> bool:
+    """Whether `record[key]` is this user's signature of the rest of `record` (a trainer state, a RandOpt record)."""
+    return isinstance(record, dict) and signed_by_user({k: v for k, v in record.items() if k != key}, record.get(key))
 
 
-def signed_yaml(settings: dict[str, Any], body: str) -> str:
-    """config.yaml's text: the signature line (when a key exists) and the YAML `body` of `settings`."""
-    signature = sign(settings)
-    return body if signature is None else f"{YAML_PREFIX}{signature}\n{body}"
+NAMED_PREFIX = "# esft-named-files: "
+"""config.yaml's line recording the code and data files its settings name (esft.runs.named_files), as JSON."""
+
+
+def signed_yaml(settings: dict[str, Any], body: str, named: list[dict[str, Any]]) -> str:
+    """config.yaml's text: the signature line (when a key exists) over `settings` and the `named` files
+    recorded for them, the YAML `body` of `settings`, and the named files' line."""
+    signature = sign({"settings": settings, "named_files": named})
+    head = "" if signature is None else f"{YAML_PREFIX}{signature}\n"
+    return f"{head}{body}{NAMED_PREFIX}{json.dumps(named)}\n"
+
+
+def yaml_vouched(text: str, settings: dict[str, Any]) -> tuple[bool, list[dict[str, Any]] | None]:
+    """Whether a config.yaml's `text` carries this user's signature of its `settings` (the YAML read from it)
+    and of the named files it records, and those records (None when it holds none)."""
+    lines = text.split("\n")
+    signature = lines[0][len(YAML_PREFIX):].strip() if lines[0].startswith(YAML_PREFIX) else None
+    named = None
+    for line in lines:
+        if line.startswith(NAMED_PREFIX):
+            try:
+                named = json.loads(line[len(NAMED_PREFIX):])
+            except (json.JSONDecodeError, RecursionError):
+                named = None
+    return signed_by_user({"settings": settings, "named_files": named}, signature), named
