@@ -388,3 +388,32 @@ def test_sigma_scan_refuses_a_huge_population_and_an_out_it_cannot_write_before_
     line = one_error_line(esft("sigma-scan", "--out", str(a_file / "scan"), cwd=tmp_path),
                           f"--out {a_file / 'scan'}: {a_file} is a file, not a folder")
     assert "sigma-scan:" not in line and a_file.read_text() == ""  # refused before the first member was scored
+
+
+def test_a_module_named_by_name_is_recorded_as_the_file_it_would_import_without_importing_it(tmp_path, monkeypatch):
+    """Issue 66, case 3, for `--reward-funcs module:function` and `--task package.module:function`: the file the
+    run would import is found on the import path (the current directory first, as the console script does)
+    without executing it or its package, and another directory's module of the same name is told apart."""
+    from esft.runs.named_files import changed_files, named_files
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    for place in (first, second):
+        (place / "esft_case3_pkg").mkdir(parents=True)
+        (place / "esft_case3_pkg" / "__init__.py").write_text(f"open({str(place / 'executed')!r}, 'w').close()\n")
+        (place / "esft_case3_pkg" / "task.py").write_text("def make():\n    pass\n")
+        (place / "esft_case3_rewards.py").write_text(f"# {place.name}\ndef score(completions, **kw):\n    return [0.0]\n")
+    settings = {"reward_funcs": "esft_case3_rewards:score", "task": "esft_case3_pkg.task:make"}
+    monkeypatch.chdir(first)
+    recorded = named_files(settings)
+    assert [(entry["setting"], entry["path"]) for entry in recorded] == [
+        ("task", str((first / "esft_case3_pkg" / "task.py").resolve())),
+        ("reward_funcs", str((first / "esft_case3_rewards.py").resolve()))]
+    assert all(entry["digest"] for entry in recorded) and changed_files(recorded, settings, set(settings)) == []
+    monkeypatch.chdir(second)
+    changes = changed_files(recorded, settings, set(settings))
+    assert len(changes) == 2 and f"names {(second / 'esft_case3_rewards.py').resolve()} from here" in changes[1]
+    monkeypatch.chdir(first)
+    (first / "esft_case3_rewards.py").write_text("def score(completions, **kw):\n    return [1.0]\n")
+    assert changed_files(recorded, settings, {"reward_funcs"}) == [
+        f"{(first / 'esft_case3_rewards.py').resolve()} changed since the run recorded it"]
+    assert not (first / "executed").exists() and not (second / "executed").exists()  # nothing was imported
