@@ -28,7 +28,8 @@ FORBIDDEN = {
     "esft.es.noise": ("esft.",),  # but for ALLOWED's mirror helper
     "esft.es.batches": ("esft.",),
     "esft.engines.registry": ("esft.",),  # what engines there are, read by the settings: data, no imports
-    "esft.child_processes": ("esft.",),  # how engines and the reward sandbox start children: needs nothing of esft
+    "esft.child_processes": ("esft.",),
+    "esft.template_probe": ("esft.",),  # a chat template's first rendering bounded: for tasks and reward models alike  # how engines and the reward sandbox start children: needs nothing of esft
     "esft.engines": ("esft.executors", "esft.trainer", "esft.cli", "esft.tasks", "esft.rewards", "esft.loop",
                      "esft.runs", "esft.grpo"),
     "esft.executors": ("esft.trainer", "esft.cli", "esft.runs", "esft.loop", "esft.grpo"),

@@ -169,9 +169,9 @@ def test_a_hostile_chat_template_is_one_line_bounded_in_time_and_memory(kind, ti
     import shutil
     import time
 
-    from esft.tasks import chat_probe
+    from esft import template_probe
 
-    monkeypatch.setattr(chat_probe, "PROBE_SECONDS", 3.0)
+    monkeypatch.setattr(template_probe, "PROBE_SECONDS", 3.0)
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)
     config = json.loads((model / "tokenizer_config.json").read_text())

@@ -141,6 +141,30 @@ def test_a_chat_template_that_rejects_the_load_check_still_loads(tmp_path):
     assert scorer.load().model is not None and len(scorer(["2 + 2 ="], [" 4"])) == 1
 
 
+@pytest.mark.parametrize("template, expected", [  # issue 66, case 7, for a reward model's folder
+    ("{% for a in range(100000) %}{% for b in range(100000) %}{% for c in range(100000) %}x{% endfor %}{% endfor %}"
+     "{% endfor %}", "did not render a user/assistant conversation within 3 s"),
+    ("{{ 'A' * (messages|length * 4000000000) }}", "needed more than 2 GiB to render a user/assistant conversation"),
+])
+def test_a_reward_models_chat_template_that_loops_or_blows_up_is_one_line_at_load(template, expected, tmp_path,
+                                                                                   monkeypatch):
+    """The load renders a conversation through the reward model's own template (to look for tokens past its rows):
+    that rendering is bounded as the trained model's is (esft.template_probe; 3 s here), before any scoring."""
+    import time
+
+    from esft import template_probe
+
+    monkeypatch.setattr(template_probe, "PROBE_SECONDS", 3.0)
+    model = build_tiny_reward_model(tmp_path / "rm", chat_template=template)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "2 + 2 ="}\n')
+    started = time.monotonic()
+    proc, _ = esft("train", "--reward-model", str(model), "--reward-model-device", "cpu", "--train-data", "train.jsonl",
+                   "--iterations", "1", "--population-size", "2", "--max-tokens", "4", "--no-progress", "--logging",
+                   "none", "--run-name", "run", cwd=tmp_path)
+    line = assert_user_error(proc, f"--reward-model {model}", expected, "fix the chat_template")
+    assert time.monotonic() - started < 60 and not (tmp_path / "runs" / "run").exists(), line
+
+
 def test_a_reward_model_built_by_hand_in_a_script_is_checked_when_the_trainer_is_built(tmp_path, tiny_model_dir):
     """`ESTrainer(model, RewardModel(path), ...)` in a user's script: the reward model loads (and is
     refused) with the task, before the policy does; before, it loaded at the first scoring call."""

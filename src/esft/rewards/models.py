@@ -21,9 +21,12 @@ from typing import Any
 from esft.chat import chatml, is_messages
 from esft.engines.base import resolve_device, torch_dtype
 from esft.rewards.values import TRUSTED_ATTRIBUTE
+from esft.template_probe import TemplateProbeError, probe_chat_template
 
 DEVICE_PATTERN = r"auto|cpu|cuda(:\d+)?|mps"
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+SAMPLE = ([{"role": "user", "content": "x"}], [{"role": "assistant", "content": "y"}])
+"""The conversation the load renders through a reward model's chat template (bounded, then checked for tokens)."""
 
 
 class RewardModelError(ValueError):
@@ -96,6 +99,12 @@ class RewardModel:
                             "*ForSequenceClassification model with a single output (num_labels=1)")
         if config.num_labels != 1:
             raise RewardModelError(f"{self.where} has {config.num_labels} outputs (num_labels); a reward model has one")
+        if getattr(tokenizer, "chat_template", None):  # the folder's code: its rendering bounded before any is used
+            try:
+                probe_chat_template(lambda: reward_text(*SAMPLE, tokenizer), what="a user/assistant conversation")
+            except TemplateProbeError as error:
+                raise RewardModelError(f"{self.where}: its chat template {error}; fix the chat_template in its "
+                                       "tokenizer_config.json (or chat_template.jinja), or use another reward model") from None
         device = resolve_device(self.device_name)
         if self.dtype_name == "auto":
             saved = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -167,7 +176,7 @@ def _tokens_past_rows(tokenizer: Any, rows: int) -> str | None:
         return f"the pad token {tokenizer.pad_token!r} is id {tokenizer.pad_token_id}, past the model's {rows} embedding rows"
     if getattr(tokenizer, "chat_template", None):
         try:
-            conversation = reward_text([{"role": "user", "content": "x"}], [{"role": "assistant", "content": "y"}], tokenizer)
+            conversation = reward_text(*SAMPLE, tokenizer)
         except Exception:  # a template that rejects this probe (e.g. one that wants a system turn): not ours to judge here
             return None
         past = min((i for i in tokenizer(conversation, add_special_tokens=False)["input_ids"] if i >= rows), default=None)

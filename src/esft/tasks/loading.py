@@ -21,9 +21,12 @@ from typing import Any
 from esft.chat import chatml, is_messages
 from esft.files import DATA_LIMIT, looks_like_path, read_regular, read_regular_text
 from esft.tasks.base import PROMPT_SOURCE, Task, TaskError
-from esft.tasks.chat_probe import FIX, probe_chat_template
 from esft.rewards.usercode import describe
+from esft.template_probe import TemplateProbeError, probe_chat_template
 
+FIX = ("fix the chat_template in the model's tokenizer_config.json (or chat_template.jinja), or give text prompts "
+       "(--prompt-format raw for a built-in task)")
+"""The way out of a chat template that fails (esft.template_probe bounds its first rendering)."""
 _FORMATS = "a .json, .jsonl, .csv or .parquet file, a save_to_disk directory, or a dataset name in the local cache"
 
 
@@ -316,7 +319,10 @@ def render_rows(task: Task, tokenizer: Any = None, load_tokenizer: Any = None) -
                 if tokenizer is None and load_tokenizer is not None:
                     tokenizer = load_tokenizer()
                 if count == 0 and getattr(tokenizer, "chat_template", None):  # bounded in time and memory, once
-                    probe_chat_template(lambda: render_prompt(row["prompt"], tokenizer))
+                    try:
+                        probe_chat_template(lambda: render_prompt(row["prompt"], tokenizer))
+                    except TemplateProbeError as error:
+                        raise TaskError(f"the tokenizer's chat template {error}; {FIX}") from None
                 row[PROMPT_SOURCE] = row["prompt"]
                 row["prompt"] = render_prompt(row[PROMPT_SOURCE], tokenizer)
                 count += 1

@@ -1,9 +1,8 @@
-"""A tokenizer's chat template is code that came with the model folder: before esft renders a task's chat
-prompts with it, the first prompt is rendered once in a forked child process under a time limit and an
+"""A tokenizer's chat template is code that came with a model folder (the trained model's, a reward model's):
+before esft renders with it, one sample is rendered once in a forked child process under a time limit and an
 address-space cap, so that a template that loops without end or builds a string of gigabytes is one line
-(TaskError, exit 2) instead of a hang or a MemoryError. The rows are then rendered in this process, where a
-template that raises (jinja's sandbox refusing an attribute, the template's own raise_exception, a syntax
-error) is one line too (esft.tasks.loading.render_prompt)."""
+(TemplateProbeError, which the caller words: esft.tasks.loading, esft.rewards.models) instead of a hang or a
+MemoryError. An exception the template raises is left to the caller's own rendering in its process."""
 
 from __future__ import annotations
 
@@ -14,14 +13,14 @@ import signal
 from collections.abc import Callable
 from typing import Any
 
-from esft.tasks.base import TaskError
-
 PROBE_SECONDS = 30.0
 """Time the first chat prompt may take to render (a sound template takes milliseconds, also on a loaded machine)."""
 PROBE_BYTES = 2 << 30
 """Memory the first rendering may add to this process's address space (a chat prompt is kilobytes)."""
-FIX = ("fix the chat_template in the model's tokenizer_config.json (or chat_template.jinja), or give text prompts "
-       "(--prompt-format raw for a built-in task)")
+
+
+class TemplateProbeError(ValueError):
+    """A chat template that did not render one sample within the limits; the message says which limit."""
 
 
 def _address_space() -> int:
@@ -33,9 +32,10 @@ def _address_space() -> int:
         return 0
 
 
-def probe_chat_template(render: Callable[[], Any], seconds: float | None = None, extra_bytes: int | None = None) -> None:
-    """Run `render()` (the first chat prompt through the template) in a forked child: TaskError when it takes more
-    than `seconds` (PROBE_SECONDS) or more than `extra_bytes` (PROBE_BYTES) of memory. An exception it raises is
+def probe_chat_template(render: Callable[[], Any], seconds: float | None = None, extra_bytes: int | None = None,
+                        what: str = "the first chat prompt") -> None:
+    """Run `render()` (`what`: one sample through the template) in a forked child: TemplateProbeError when it takes
+    more than `seconds` (PROBE_SECONDS) or more than `extra_bytes` (PROBE_BYTES) of memory. An exception it raises is
     left for the rendering in this process to report. Where fork is missing, nothing is probed."""
     if not hasattr(os, "fork"):
         return
@@ -73,8 +73,8 @@ def probe_chat_template(render: Callable[[], Any], seconds: float | None = None,
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     if answer is None:
-        raise TaskError(f"the tokenizer's chat template did not render the first chat prompt within {seconds:g} s "
-                        f"(a template that loops without end?); {FIX}")
+        raise TemplateProbeError(f"did not render {what} within {seconds:g} s (a template that loops "
+                                 "without end?)")
     if answer in (b"memory", b""):  # b"": the child died before answering (killed for its memory)
-        raise TaskError(f"the tokenizer's chat template needed more than {extra_bytes >> 30} GiB to render the first "
-                        f"chat prompt (a template that builds a huge string?); {FIX}")
+        raise TemplateProbeError(f"needed more than {extra_bytes >> 30} GiB to render {what} (a "
+                                 "template that builds a huge string?)")
