@@ -65,6 +65,7 @@ def main() -> None:
     from esft.es.strategies.base import ESState
     from esft.es.strategies.paper import STRATEGY as PAPER
     from esft.settings.config import ESConfig
+    from esft.executors import ExecutorSettings
     from esft.executors.ray_executor import RayExecutor
     from esft.tasks.base import Task
     from esft.es.batches import prompt_batch
@@ -83,7 +84,7 @@ def main() -> None:
                               population_size=args.population, batch_size=args.batch, max_tokens=args.tokens,
                               sigma=1e-3, reward_sandbox=False, logging="none", progress=False, max_model_len=512,
                               **(dict(noise="lowrank", rank=1, population_batching=True) if args.population_batching else {}))
-            executor = RayExecutor(config, task, str(path))
+            executor = RayExecutor(ExecutorSettings.of(config), task, str(path))
             elapsed, evaluating = [], []
             for iteration in range(args.iterations + 1):
                 started = time.perf_counter()

@@ -142,7 +142,7 @@ class EsftPath:
         from esft.settings.config import ESConfig
         from esft.engines.population import population_batching_problem
         from esft.engines.transformers_engine import TransformersEngine
-        from esft.executors import LocalExecutor, resolve_population_batching
+        from esft.executors import ExecutorSettings, LocalExecutor, resolve_population_batching
         from esft.rewards.runner import RewardRunner
         from esft.tasks.countdown import countdown_reward
 
@@ -151,7 +151,7 @@ class EsftPath:
                                          max_tokens=args.max_tokens, mini_batch_size=_mini_batch(args.mini_batch))
         self.rewards = RewardRunner([countdown_reward], sandbox=False)
         settings = ESConfig(noise=self.engine.noise, population_batching=False if name == "sequential" else "auto")
-        batched = resolve_population_batching(settings, lambda: population_batching_problem(self.engine))
+        batched = resolve_population_batching(ExecutorSettings.of(settings), lambda: population_batching_problem(self.engine))
         self.executor = LocalExecutor(self.engine, self.rewards.score, population_batching=batched)
         self.sigma, self.alpha = args.sigma, args.sigma / 2
         self.initial = self.engine.master_state()

@@ -231,7 +231,8 @@ def test_an_in_process_engine_is_an_engine(tiny_model_dir):
     assert engine.embedding_rows() == 100  # read from the model, not from its config at load
 
 
-@pytest.mark.parametrize("room", ["esft.tasks.building:TaskSettings", "esft.rewards.runner:SandboxSettings"])
+@pytest.mark.parametrize("room", ["esft.tasks.building:TaskSettings", "esft.rewards.runner:SandboxSettings",
+                                  "esft.engines.settings:EngineSettings", "esft.executors.settings:PoolSettings"])
 def test_a_rooms_settings_are_esconfig_fields_of_the_same_names_and_defaults(room):
     """A room receives its own settings (esft.settings.config.settings_for), each an ESConfig field of that name
     with ESConfig's default: a field renamed or re-defaulted on one side only fails here."""

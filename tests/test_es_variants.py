@@ -133,9 +133,10 @@ def test_population_batching_evaluates_mirrored_members_as_one_at_a_time(lively_
 
 def test_lora_es_mirrored_member_is_the_adapter_minus_sigma_noise(tiny_model_dir):
     from esft.engines import build_engine
+    from esft.engines.settings import EngineSettings
 
     args = ESConfig(model=str(tiny_model_dir), lora_r=2, device="cpu", max_tokens=4, logging="none")
-    engine = build_engine(args, str(tiny_model_dir))
+    engine = build_engine(EngineSettings.of(args), str(tiny_model_dir))
     master = {name: tensor.clone() for name, tensor in engine.master.items()}
     engine.perturb(~77, SIGMA)
     for index, name, param in engine.trainable:

@@ -27,6 +27,7 @@ from esft.runs.checkpoint import load_master  # noqa: E402
 from esft.cli import main  # noqa: E402
 from esft.settings.config import ConfigError, ESConfig  # noqa: E402
 from esft.engines import build_engine  # noqa: E402
+from esft.engines.settings import EngineSettings  # noqa: E402
 from esft.engines.population import check_population_batching, generate_population  # noqa: E402
 from esft.es.noise import draw_noise  # noqa: E402
 from esft.trainer import ESTrainer  # noqa: E402
@@ -84,7 +85,7 @@ def lora_args(model: Path, **settings) -> ESConfig:
 
 def engine_at(checkpoint: Path, model: Path):
     """The engine a resume builds from `checkpoint`: the run's LoRA on the base, master loaded and verified."""
-    engine = build_engine(lora_args(model))
+    engine = build_engine(EngineSettings.of(lora_args(model)))
     load_master(checkpoint, engine)
     return engine
 
@@ -97,7 +98,7 @@ def _one_thread(one_torch_thread):
 # ----------------------------------------------------------------------------- the engine
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_es_moves_only_the_adapter_and_restores_bit_exactly(lively_model_dir, dtype):
-    engine = build_engine(lora_args(lively_model_dir, dtype=dtype))
+    engine = build_engine(EngineSettings.of(lora_args(lively_model_dir, dtype=dtype)))
     names = engine.trainable_names()
     assert names and all(".lora_A.default." in n or ".lora_B.default." in n for n in names)
     # every linear layer of attention and MLP (all-linear), not the LM head / embedding
@@ -126,7 +127,7 @@ def test_es_moves_only_the_adapter_and_restores_bit_exactly(lively_model_dir, dt
 
 @pytest.mark.parametrize("noise", ["iid", "lowrank"])  # adapter hooks; low-rank hooks on lora_A/lora_B
 def test_population_batching_gives_the_sequential_completions(lively_model_dir, noise):
-    engine = build_engine(lora_args(lively_model_dir, noise=noise, population_batching=True))
+    engine = build_engine(EngineSettings.of(lora_args(lively_model_dir, noise=noise, population_batching=True)))
     engine.update([1, 2, 3], [0.3, -0.2, 0.1])  # B away from 0, so perturbations of A count too
     check_population_batching(engine)  # the once-per-engine logits check passes
     prompts = [f"Q{i}: {i} + {i} =" for i in range(3)]
@@ -149,7 +150,7 @@ def test_population_batching_follows_dropped_rows_with_correlated_noise(monkeypa
     from esft.engines import decoding
     from esft.tasks.countdown_task import make_countdown_task
 
-    engine = build_engine(lora_args(embedded_model_path(), noise="correlated", population_batching=True, max_tokens=48))
+    engine = build_engine(EngineSettings.of(lora_args(embedded_model_path(), noise="correlated", population_batching=True, max_tokens=48)))
     engine.update([1, 2, 3], [1e-2, -1e-2, 5e-3])  # B away from 0
     running, real = [], decoding.decode_greedy
 
@@ -226,7 +227,7 @@ def test_eval_takes_the_runs_settings_however_its_lora_result_is_named(cli_run, 
 
 
 def test_a_run_can_start_from_an_adapter(cli_run, lively_model_dir):
-    engine = build_engine(ESConfig(model=str(lively_model_dir), lora_adapter=str(cli_run / "checkpoint-2"), device="cpu"))
+    engine = build_engine(EngineSettings.of(ESConfig(model=str(lively_model_dir), lora_adapter=str(cli_run / "checkpoint-2"), device="cpu")))
     stored = load_file(str(cli_run / "checkpoint-2" / "master.safetensors"))
     assert engine.master_state().keys() == stored.keys()
     assert all(torch.equal(engine.master_state()[n], stored[n]) for n in stored)
@@ -305,6 +306,6 @@ def test_settings_that_would_be_ignored_are_refused(lively_model_dir, cli_run):
         ESConfig(model=str(cli_run / "final"), lora_adapter=str(cli_run / "final"))
     tokenizer = AutoTokenizer.from_pretrained(lively_model_dir)
     with pytest.raises(ConfigError, match="--lora-dropout: the PeftModel's adapter 'default' has lora_dropout=0.05"):
-        build_engine(ESConfig(device="cpu"), peft_model(lively_model_dir, r=2, lora_dropout=0.05), tokenizer)
+        build_engine(EngineSettings.of(ESConfig(device="cpu")), peft_model(lively_model_dir, r=2, lora_dropout=0.05), tokenizer)
     with pytest.raises(ConfigError, match="--lora-r: the model is already a PeftModel"):
-        build_engine(ESConfig(device="cpu", lora_r=2), peft_model(lively_model_dir, r=2), tokenizer)
+        build_engine(EngineSettings.of(ESConfig(device="cpu", lora_r=2)), peft_model(lively_model_dir, r=2), tokenizer)

@@ -22,7 +22,7 @@ from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
-from esft.executors import LocalExecutor  # noqa: E402
+from esft.executors import ExecutorSettings, LocalExecutor, PoolSettings  # noqa: E402
 from esft.executors.ray_executor import RayExecutor, ReplicaMismatch  # noqa: E402
 from esft.rewards.runner import score  # noqa: E402
 from esft.tasks.base import Task  # noqa: E402
@@ -44,7 +44,7 @@ def pool(ray_cluster, tiny_model_dir):
     change the replay limit). Batched shares: test_a_dead_actors_batched_share_is_rerun_elsewhere."""
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, population_batching=False, **SETTINGS)
     task = toy_task()
-    executor = RayExecutor(args, task, str(tiny_model_dir))
+    executor = RayExecutor(ExecutorSettings.of(args), task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
                           lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     yield executor, local, args, task
@@ -115,7 +115,7 @@ def test_a_dead_actors_batched_share_is_rerun_elsewhere(ray_cluster, tiny_model_
     replaced; the rewards and weights are those of a failure-free run."""
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **SETTINGS)
     task = toy_task()
-    executor = RayExecutor(args, task, str(tiny_model_dir))
+    executor = RayExecutor(ExecutorSettings.of(args), task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
                           lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     try:
@@ -160,7 +160,7 @@ def test_population_batching_on_ray_shares_out_the_population_and_matches_local(
     one batched call; rewards and weights are those of the local executor (batched or not)."""
     lowrank = dict(SETTINGS, noise="lowrank", rank=2, population_batching=True)
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, **lowrank)
-    executor = RayExecutor(args, toy_task(), str(tiny_model_dir))
+    executor = RayExecutor(ExecutorSettings.of(args), toy_task(), str(tiny_model_dir))
     scorer = lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids)  # noqa: E731
     locals_ = {batched: LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12,
                                                                          noise="lowrank", rank=2),
@@ -198,9 +198,9 @@ def test_ray_refuses_a_model_population_batching_cannot_handle(ray_cluster, tmp_
     tokenizer.save_pretrained(tmp_path)
     args = ESConfig(model=str(tmp_path), executor="ray", workers=1, **dict(SETTINGS, noise="lowrank", population_batching=True))
     with pytest.raises(ConfigError, match="^--population-batching: "):
-        RayExecutor(args, toy_task(), str(tmp_path))
+        RayExecutor(ExecutorSettings.of(args), toy_task(), str(tmp_path))
     # left to auto, the same model is evaluated one member at a time, by every actor
-    executor = RayExecutor(ESConfig(model=str(tmp_path), executor="ray", workers=1, **SETTINGS), toy_task(), str(tmp_path))
+    executor = RayExecutor(ExecutorSettings.of(ESConfig(model=str(tmp_path), executor="ray", workers=1, **SETTINGS)), toy_task(), str(tmp_path))
     try:
         assert executor.population_batching is False
     finally:
@@ -216,7 +216,7 @@ def test_a_ray_actor_can_host_the_vllm_engine(ray_cluster, tmp_path):
     args = ESConfig(model=str(path), executor="ray", workers=1, engine="vllm", max_model_len=256,
                     **{**SETTINGS, "population_size": 4})
     task = toy_task()
-    executor = RayExecutor(args, task, str(path))
+    executor = RayExecutor(ExecutorSettings.of(args), task, str(path))
     try:
         local = LocalExecutor(TransformersEngine.from_pretrained(str(path), device="cpu", max_tokens=12),
                               lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
@@ -243,7 +243,7 @@ def test_adam_on_ray_matches_local_also_after_an_actor_is_replaced(ray_cluster, 
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, population_batching=False, optimizer="adam",
                     weight_decay=0.01, alpha=1e-3, **SETTINGS)
     task = toy_task()
-    executor = RayExecutor(args, task, str(tiny_model_dir))
+    executor = RayExecutor(ExecutorSettings.of(args), task, str(tiny_model_dir))
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12, optimizer=ADAM),
                           lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))
     executor.replay_limit = 8 if sync == "replay" else 0
@@ -330,12 +330,12 @@ OTHER_CLUSTER = """
 import os
 from ray.cluster_utils import Cluster
 from esft.executors.ray_cluster import close_cluster, open_cluster
-from esft.settings.config import ESConfig
+from esft.executors import PoolSettings
 import ray
 
 other = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})  # as `ray start --head` on this machine
 try:
-    open_cluster(ESConfig(executor="ray"))
+    open_cluster(PoolSettings(executor="ray"))
     print("OWN", ray.get_runtime_context().gcs_address != other.address, ray.cluster_resources()["CPU"], flush=True)
     close_cluster()
     print("STOPPED", not ray.is_initialized(), flush=True)

@@ -29,7 +29,7 @@ from tiny_model import subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
-from esft.executors import LocalExecutor  # noqa: E402
+from esft.executors import ExecutorSettings, LocalExecutor  # noqa: E402
 from esft.executors.ray_executor import RayExecutor  # noqa: E402
 from esft.rewards.runner import score  # noqa: E402
 from esft.runs.checkpoint import verify  # noqa: E402
@@ -118,7 +118,7 @@ def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later
     workers = {node.node_id: node for node in cluster.worker_nodes}
     args = ESConfig(model=str(tiny_model_dir), executor="ray", workers=2, population_batching=False, **SETTINGS)
     task = toy_task()
-    executor = RayExecutor(args, task, str(tiny_model_dir))
+    executor = RayExecutor(ExecutorSettings.of(args), task, str(tiny_model_dir))
     executor.room_wait = 3.0
     local = LocalExecutor(TransformersEngine.from_pretrained(str(tiny_model_dir), device="cpu", max_tokens=12),
                           lambda rows, texts, ids=None: score([byte_reward], rows, texts, completion_ids=ids))

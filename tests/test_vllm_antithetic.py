@@ -112,14 +112,15 @@ def test_lora_es_on_vllm_serves_mirrored_members_as_the_transformers_engine(tmp_
 
     from esft.settings.config import ESConfig
     from esft.engines import build_engine
+    from esft.engines.settings import EngineSettings
     from esft.engines.population import generate_population
     from tiny_model import build_tiny_model
 
     path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
                             num_key_value_heads=1)
-    engine = build_engine(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **LORA))
+    engine = build_engine(EngineSettings.of(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **LORA)))
     try:
-        reference = build_engine(ESConfig(model=str(path), device="cpu", **LORA))
+        reference = build_engine(EngineSettings.of(ESConfig(model=str(path), device="cpu", **LORA)))
         for iteration in range(2):
             seeds = ANTITHETIC.ask(ESState(0, iteration), 4)
             members = engine.generate_population(PROMPTS, seeds, SIGMA)

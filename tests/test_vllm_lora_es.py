@@ -17,6 +17,7 @@ from toy_task import byte_reward, toy_rows  # noqa: E402
 
 from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines import build_engine  # noqa: E402
+from esft.engines.settings import EngineSettings  # noqa: E402
 from esft.engines.base import PopulationEngine  # noqa: E402
 from esft.engines.population import generate_population  # noqa: E402
 from esft.es.strategies.base import ESState  # noqa: E402
@@ -39,9 +40,9 @@ def test_lora_es_on_vllm_matches_transformers_and_exports_a_peft_adapter(tmp_pat
 
     path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
                             num_key_value_heads=1)
-    engine = build_engine(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **LORA))
+    engine = build_engine(EngineSettings.of(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **LORA)))
     try:
-        reference = build_engine(ESConfig(model=str(path), device="cpu", **LORA))
+        reference = build_engine(EngineSettings.of(ESConfig(model=str(path), device="cpu", **LORA)))
         assert isinstance(engine, PopulationEngine)
         assert engine.trainable_names() == reference.trainable_names()
         assert all("lora_A" in n or "lora_B" in n for n in engine.trainable_names())
@@ -86,9 +87,9 @@ def test_lora_es_on_vllm_with_adam_matches_transformers(tmp_path):
     path = build_tiny_model(tmp_path / "model", hidden_size=64, intermediate_size=128, num_attention_heads=2,
                             num_key_value_heads=1)
     adam = dict(optimizer="adam", adam_betas="0.8,0.99", weight_decay=0.1, **LORA)
-    engine = build_engine(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **adam))
+    engine = build_engine(EngineSettings.of(ESConfig(model=str(path), engine="vllm", max_model_len=256, gpu_memory_utilization=0.1, **adam)))
     try:
-        reference = build_engine(ESConfig(model=str(path), device="cpu", **adam))
+        reference = build_engine(EngineSettings.of(ESConfig(model=str(path), device="cpu", **adam)))
         for iteration in range(3):
             if iteration == 2:  # a resume: a fresh adapter and state, then the saved ones
                 saved, weights = engine.optimizer_state(), engine.master_state()

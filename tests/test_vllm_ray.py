@@ -28,7 +28,7 @@ from esft.settings.config import ESConfig  # noqa: E402
 from esft.es.strategies.base import ESState  # noqa: E402
 from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 from esft.es.batches import prompt_batch  # noqa: E402
-from esft.executors import LocalExecutor  # noqa: E402
+from esft.executors import ExecutorSettings, LocalExecutor  # noqa: E402
 from esft.executors.ray_executor import RayExecutor  # noqa: E402
 from esft.rewards.runner import score  # noqa: E402
 
@@ -75,7 +75,7 @@ def test_ray_actors_serve_their_lowrank_share_as_adapters_like_the_local_vllm_ru
     vllm_engine.configure(trainable=None, noise="lowrank")
     local = LocalExecutor(vllm_engine, scorer, population_batching=True)
     capfd.readouterr()
-    executor = RayExecutor(args, toy_task(), str(vllm_model_dir))
+    executor = RayExecutor(ExecutorSettings.of(args), toy_task(), str(vllm_model_dir))
     try:
         frozen = [line for line in capfd.readouterr().err.splitlines() if "vLLM serves as LoRA" in line]
         assert len(frozen) == 1 and "frozen: model.embed_tokens.weight" in frozen[0], frozen
@@ -101,16 +101,17 @@ def test_ray_actors_serve_their_lora_es_share_as_adapters_like_the_local_vllm_ru
     from transformers import AutoModelForCausalLM
 
     from esft.engines import build_engine
+    from esft.engines.settings import EngineSettings
     from esft.engines.lora import export_merged
     from esft.engines.transformers_engine import TransformersEngine
 
     lora = dict(model=str(vllm_model_dir), engine="vllm", lora_r=2, lora_alpha=4.0, sigma=0.5, seed=3, **RUN)
     args = ESConfig(executor="ray", workers=2, **lora)
-    engine = build_engine(ESConfig(**lora))
+    engine = build_engine(EngineSettings.of(ESConfig(**lora)))
     executor = None
     try:
         local = LocalExecutor(engine, scorer, population_batching=True)
-        executor = RayExecutor(args, toy_task(), str(vllm_model_dir))
+        executor = RayExecutor(ExecutorSettings.of(args), toy_task(), str(vllm_model_dir))
         assert executor.population_batching is True
         run_both(executor, local, args)
         rows = SHARE * args.batch_size

@@ -23,9 +23,10 @@ from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights, optional
 from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.lora import export_merged, uses_adapter
+from esft.engines.settings import EngineSettings
 from esft.loop.evaluation import EvalSettings, evaluate_task, kl_scorer
 from esft.loop.learning_signal import LearningWatch
-from esft.executors import build_executor
+from esft.executors import ExecutorSettings, build_executor
 from esft.files import directory_written_atomically
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
@@ -73,7 +74,7 @@ class ESTrainer:
         self.rewards, self.accuracy = reward_runners(self.task, settings_for(SandboxSettings, args))
         self._skip_failing = skip_failing(args.reward_skip_failing, self.rewards.names)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
-        self.executor = build_executor(args, self.task, self.rewards.score,
+        self.executor = build_executor(ExecutorSettings.of(args), self.task, self.rewards.score,
                                        lambda: self._build_engine(model, processing_class), model)
         self.engine = self.executor.engine
         self._model = model if isinstance(model, str) else None  # a name or directory (export_merged's base)
@@ -119,7 +120,7 @@ class ESTrainer:
 
     def _build_engine(self, model: Any, processing_class: Any):
         """The engine (built after the task and its data are checked; esft.grpo.baseline builds another)."""
-        return build_engine(self.args, model, processing_class)
+        return build_engine(EngineSettings.of(self.args), model, processing_class)
 
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         """The task (esft.tasks.building), from the settings it uses or the objects given to ESTrainer."""
@@ -317,7 +318,7 @@ class ESTrainer:
         learning = self._watch.finish(self.engine.checksum() if self._watch.start else None)
         if args.iterations > 0:
             self._save(self.run_dir / "final")
-            if uses_adapter(self.engine, args):  # LoRA-ES: final/ is the adapter; final-merged/ the merged model
+            if uses_adapter(self.engine, EngineSettings.of(args)):  # LoRA-ES: final/ is the adapter; final-merged/ the merged model
                 self.save_model(self.run_dir / "final-merged", merged=True)
         return (last or self.initial_metrics) | failure_summary(self.failure_totals) | learning
 

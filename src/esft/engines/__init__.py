@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from esft.engines.base import Engine, NoTrainableParameters
 
 if TYPE_CHECKING:  # settings import esft.engines.registry: this package imports them only when called
-    from esft.settings.config import ESConfig
+    from esft.engines.settings import EngineSettings
 
 
 def check_device(device: str) -> None:
@@ -37,11 +37,12 @@ def check_hub_id(path: str) -> None:
         raise ConfigError("model", problem)
 
 
-def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> Engine:
+def build_engine(args: EngineSettings, model: Any = None, tokenizer: Any = None) -> Engine:
     """The engine --engine names (esft.engines.registry), loaded from `model` (hub id, directory, 'embedded',
     None = --model), or wrapped around an already loaded model where the engine can (transformers), or
     `model` itself if it is an engine. LoRA-ES (--lora-r, --lora-adapter, an adapter directory or a
-    peft.PeftModel as the model): the engine perturbs only the adapter (esft.engines.lora, esft.engines.vllm_lora)."""
+    peft.PeftModel as the model): the engine perturbs only the adapter (esft.engines.lora, esft.engines.vllm_lora).
+    `args`: the engine's settings (esft.engines.settings), the loader's first argument."""
     from esft.engines.registry import engine_spec
     from esft.es.optimizers import optimizer_spec
     from esft.settings.config import ConfigError, model_path
@@ -68,7 +69,7 @@ def build_engine(args: ESConfig, model: Any = None, tokenizer: Any = None) -> En
         return spec.loader()(args, path, options)
 
 
-def check_folder(args: ESConfig, path: str) -> None:
+def check_folder(args: EngineSettings, path: str) -> None:
     """ConfigError before loading a local model folder that cannot be read or fine-tuned here: a damaged config or
     safetensors header, a config that does not describe its weights, weights that do not fit in memory
     (esft.models.footprint, with the flags that would make them fit)."""
@@ -87,7 +88,7 @@ def check_folder(args: ESConfig, path: str) -> None:
 
 
 @contextmanager
-def loading_errors(args: ESConfig, model: Any = None):
+def loading_errors(args: EngineSettings, model: Any = None):
     """Loading a model: a --trainable that matches nothing and a model that does not load (any error of the
     loaders: a damaged tokenizer file is a KeyError, a size mismatch a RuntimeError) become ConfigErrors naming the
     flag (exit 2 in the CLI); the loader's own error stays chained for Python callers."""

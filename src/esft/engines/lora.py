@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from esft.files import SETTINGS_LIMIT, read_regular_text
-from esft.settings.config import EMBEDDED_MODEL, ConfigError, ESConfig, embedded_model_path, model_path, split_list
+from esft.engines.settings import EngineSettings
+from esft.settings.config import EMBEDDED_MODEL, ConfigError, embedded_model_path, model_path, split_list
 from esft.settings.rules import is_adapter_dir
 from esft.engines.base import NoTrainableParameters, optional, resolve_device, torch_dtype
 from esft.es.noise import LOW_RANK_SCHEMES
@@ -55,7 +56,7 @@ def is_peft_model(model: Any) -> bool:
     return peft is not None and isinstance(model, peft.PeftModel)
 
 
-def uses_adapter(engine: Any, args: ESConfig) -> bool:
+def uses_adapter(engine: Any, args: EngineSettings) -> bool:
     """Whether a run's engine trains a LoRA adapter (its saves are adapters; final-merged/ is written)."""
     return args.uses_lora() or is_peft_model(optional(engine, "model"))
 
@@ -75,7 +76,7 @@ def base_of(adapter_dir: str | Path) -> str:
     return base_of(base) if is_adapter_dir(base) and Path(base).resolve() != adapter_dir.resolve() else base
 
 
-def lora_engine(args: ESConfig, model: Any, tokenizer: Any, options: dict[str, Any]) -> TransformersEngine | None:
+def lora_engine(args: EngineSettings, model: Any, tokenizer: Any, options: dict[str, Any]) -> TransformersEngine | None:
     """A TransformersEngine over a PEFT LoRA model when this run uses LoRA, else None. `model` is a
     loaded model (with `tokenizer`), or a name/directory (None: --model) loaded here in --dtype on
     --device; `options` are the TransformersEngine's keyword arguments."""
@@ -119,7 +120,7 @@ def _require_peft() -> None:
         raise ConfigError("lora_r", f"LoRA-ES needs peft ({error}); pip install 'esft[lora]'") from None
 
 
-def _with_adapter(model: Any, args: ESConfig, adapter: str | None) -> Any:
+def _with_adapter(model: Any, args: EngineSettings, adapter: str | None) -> Any:
     """`model` wrapped in PEFT: the adapter directory's LoRA, or a new one of --lora-r (A seeded by --seed)."""
     import torch
     from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model

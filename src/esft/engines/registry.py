@@ -6,7 +6,7 @@ Registering an engine of your own (a class that keeps the contract of esft.engin
 
     from esft.engines.registry import EngineSpec, register_engine
 
-    def load(args, path, options):          # the ESConfig, a model folder or hub id, the ES options
+    def load(args, path, options):          # EngineSettings, a model folder or hub id, the ES options
         return MyEngine.from_pretrained(path, **options)
 
     register_engine(EngineSpec("mine", "my engine, in one line", load))
@@ -23,10 +23,11 @@ from dataclasses import dataclass
 from typing import Any
 
 Loader = Callable[[Any, str, dict], Any]
-"""load(args, path, options) -> Engine: args the ESConfig, path the model folder or hub id (esft.settings.config.
-model_path), options the ES options every engine takes (trainable, noise, max_tokens, mini_batch_size, optimizer)."""
+"""load(args, path, options) -> Engine: args the engine's settings (esft.engines.settings.EngineSettings: the run's
+--dtype, --device, --seed, vLLM's own settings, ...), path the model folder or hub id (esft.settings.config.model_path),
+options the ES options every engine takes (trainable, noise, max_tokens, mini_batch_size, optimizer)."""
 Wrapper = Callable[[Any, Any, Any, dict], Any]
-"""wrap(args, model, tokenizer, options) -> Engine around a model already loaded in this process."""
+"""wrap(args, model, tokenizer, options) -> Engine around a model already loaded in this process (args as load's)."""
 
 
 @dataclass(frozen=True)

@@ -131,8 +131,14 @@ class ESOptimizer:
         self.state = state
 
 
-def optimizer_spec(args) -> dict:
-    """ESOptimizer's keyword arguments from a config's --optimizer, --adam-betas, --adam-eps, --weight-decay
+def beta_pair(text: str) -> tuple[float, float]:
+    """--adam-betas ("0.9,0.999", validated by esft.settings.rules) as two floats."""
+    first, second = (float(part) for part in text.split(","))
+    return first, second
+
+
+def optimizer_spec(settings) -> dict:
+    """ESOptimizer's keyword arguments from the settings' --optimizer, --adam-betas, --adam-eps, --weight-decay
     (plain values: they travel to Ray actors and vLLM workers)."""
-    return {"kind": args.optimizer, "betas": args.adam_beta_pair(), "eps": float(args.adam_eps),
-            "weight_decay": float(args.weight_decay)}
+    return {"kind": settings.optimizer, "betas": beta_pair(settings.adam_betas), "eps": float(settings.adam_eps),
+            "weight_decay": float(settings.weight_decay)}

@@ -15,6 +15,7 @@ from esft.es.batches import PromptBatch
 from esft.settings.config import ConfigError
 from esft.engines.base import Engine, Generation, Sampling, optional, perturbed
 from esft.engines.registry import engine_spec
+from esft.executors.settings import ExecutorSettings
 from esft.rewards.runner import Scores
 
 Scorer = Callable[[Sequence[dict[str, Any]], Sequence[str], Sequence[Sequence[int]]], Scores]
@@ -35,15 +36,16 @@ class MemberResult:
     """A digest of each completion (Generation.fingerprints): whether members wrote the same text."""
 
 
-def resolve_population_batching(args, problem: Callable[[], str | None]) -> bool:
+def resolve_population_batching(settings: ExecutorSettings, problem: Callable[[], str | None]) -> bool:
     """Whether members are evaluated batched, from --population-batching: True needs the model to pass
     the batched path's self-check (`problem()` says why not: a ConfigError); "auto" is on for the
     transformers engine when it passes and for `--engine vllm` with `--noise lowrank` or LoRA-ES
     (members as LoRA adapters), else off with the reason said in one line; False is off."""
-    wanted = args.population_batching
-    if wanted is False or args.algorithm not in ("es", "randopt") or args.iterations == 0:  # no ES members to evaluate
+    pool, engine = settings.pool, settings.engine
+    wanted = pool.population_batching
+    if wanted is False or pool.algorithm not in ("es", "randopt") or pool.iterations == 0:  # no ES members to evaluate
         return False
-    if wanted == "auto" and not engine_spec(args.engine).batches_members(args.noise, args.uses_lora()):
+    if wanted == "auto" and not engine_spec(engine.engine).batches_members(engine.noise, engine.uses_lora()):
         return False  # e.g. vLLM batches members itself only as LoRA adapters (low-rank noise, LoRA-ES)
     reason = problem()
     if reason is None:

@@ -15,16 +15,16 @@ import ray
 
 from esft.engines.base import optional
 from esft.es.batches import PromptBatch, prompt_batch
-from esft.settings.config import ESConfig, settings_for
 from esft.executors.local import LocalExecutor, MemberResult
 from esft.rewards.conventions import RewardTrainerState
-from esft.rewards.runner import SandboxSettings, reward_runners
+from esft.executors.settings import ExecutorSettings
+from esft.rewards.runner import reward_runners
 
 
 class ESActor:
     """One engine plus the task, inside a Ray actor process."""
 
-    def __init__(self, args: ESConfig, model: str | None, driver_path: Sequence[str] = ()):
+    def __init__(self, settings: ExecutorSettings, model: str | None, driver_path: Sequence[str] = ()):
         # Modules the driver imports reward functions from (a script's directory, tests/) are
         # importable here too when this node has them; on other nodes install them or ship them
         # with Ray's runtime_env (README).
@@ -35,18 +35,18 @@ class ESActor:
 
         self.allocator = steady_allocator()  # as `esft train` does in its own process: no fresh page faults per call
 
-        threads = max(1, int(args.ray_cpus_per_worker))
+        threads = max(1, int(settings.pool.ray_cpus_per_worker))
         torch.set_num_threads(threads)
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # several engines share a node's cores
         from esft.engines import build_engine
 
-        self.args, self.task = args, None
+        self.settings, self.task = settings, None
         # The engine's own lines (what is frozen, ...) would stay in this actor's log (the driver runs
         # Ray with log_to_driver=False): kept for the driver to print once (startup_notes).
         printed = io.StringIO()
         try:
             with contextlib.redirect_stderr(printed):
-                self.engine = build_engine(args, model)
+                self.engine = build_engine(settings.engine, model)
         finally:
             sys.stderr.write(printed.getvalue())
         self._notes = [line for line in printed.getvalue().splitlines() if line.startswith("esft: ")]
@@ -57,7 +57,7 @@ class ESActor:
         the same reward runners (esft.rewards.runner.reward_runners); members batched as the driver resolved
         --population-batching (esft.executors.local.resolve_population_batching)."""
         self.task, self._batch = task, None
-        self.rewards, _ = reward_runners(task, settings_for(SandboxSettings, self.args))
+        self.rewards, _ = reward_runners(task, self.settings.sandbox)
         self._local = LocalExecutor(self.engine, self.rewards.score, population_batching=population_batching)
 
     def close(self) -> None:
@@ -96,9 +96,10 @@ class ESActor:
             batch = PromptBatch(iteration, rows)
         else:
             if self._batch is None or self._batch.iteration != iteration:
-                self._batch = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
+                pool = self.settings.pool
+                self._batch = prompt_batch(self.task.train_dataset, pool.seed, pool.batch_size, iteration)
             batch = self._batch
-        self.rewards.trainer_state = RewardTrainerState(iteration, self.args.iterations)  # TRL's trainer_state
+        self.rewards.trainer_state = RewardTrainerState(iteration, self.settings.pool.iterations)  # TRL's trainer_state
         return self._local.evaluate_population(seeds, batch, sigma)
 
     def population_batching_problem(self) -> str | None:

@@ -12,7 +12,8 @@ import time
 
 import ray
 
-from esft.settings.config import ConfigError, ESConfig
+from esft.executors.settings import PoolSettings
+from esft.settings.config import ConfigError
 
 _NICENESS = "RAY_worker_niceness"
 """Ray's setting for its workers' niceness (15 unless set), read when its processes start."""
@@ -20,14 +21,14 @@ _local = {"started": False, "executors": 0}
 """The local cluster esft started in this process, and how many executors use it: it stops with the last."""
 
 
-def open_cluster(args: ESConfig) -> None:
+def open_cluster(pool: PoolSettings) -> None:
     """Join --ray-address, use the Ray this process already runs, or start a local one sized for the run."""
     if not ray.is_initialized():
         _local.update(started=False, executors=0)  # stopped by someone else (ray.shutdown()) since
-        if args.ray_address:
-            join_cluster(args.ray_address)
+        if pool.ray_address:
+            join_cluster(pool.ray_address)
         else:
-            start_local_cluster(max(os.cpu_count() or 1, int(args.workers * max(args.ray_cpus_per_worker, 1))))
+            start_local_cluster(max(os.cpu_count() or 1, int(pool.workers * max(pool.ray_cpus_per_worker, 1))))
             _local["started"] = True
     if _local["started"]:
         _local["executors"] += 1
@@ -58,14 +59,14 @@ def close_cluster() -> None:
             _local.update(started=False, executors=0)
 
 
-def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
+def check_room(pool: PoolSettings, settle_seconds: float = 10.0) -> None:
     """Before the actors are asked for: ConfigError (exit 2) if the local cluster esft started cannot
     place them (only this process uses it: nothing else will free room), one warning line if any other
     cluster cannot yet (other jobs may free room, an autoscaler may add nodes). Waits up to
     `settle_seconds` for room that actors just killed (a trainer closed) are giving back; not at all
     when the local cluster could never hold them."""
-    per_actor = {"CPU": args.ray_cpus_per_worker, "GPU": args.ray_gpus_per_worker}
-    need = {kind: amount * args.workers for kind, amount in per_actor.items() if amount > 0}
+    per_actor = {"CPU": pool.ray_cpus_per_worker, "GPU": pool.ray_gpus_per_worker}
+    need = {kind: amount * pool.workers for kind, amount in per_actor.items() if amount > 0}
     total = ray.cluster_resources()
     local = _local["started"]
     never = local and any(total.get(kind, 0) < amount for kind, amount in need.items())
@@ -76,8 +77,8 @@ def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
         time.sleep(0.25)
     else:
         return
-    asked = (f"{args.workers} actors need {_amounts(need)} (--workers {args.workers} × --ray-cpus-per-worker "
-             f"{args.ray_cpus_per_worker:g}, --ray-gpus-per-worker {args.ray_gpus_per_worker:g})")
+    asked = (f"{pool.workers} actors need {_amounts(need)} (--workers {pool.workers} × --ray-cpus-per-worker "
+             f"{pool.ray_cpus_per_worker:g}, --ray-gpus-per-worker {pool.ray_gpus_per_worker:g})")
     short = [kind for kind, amount in need.items() if free.get(kind, 0) < amount]
     has = f"{_amounts({kind: free.get(kind, 0) for kind in short})} free of {_amounts({kind: total.get(kind, 0) for kind in short})}"
     if never:
@@ -86,7 +87,7 @@ def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
                           "per-worker resources, or join a larger cluster with --ray-address")
     if not local:
         print(f"esft: Ray cannot place the actors yet: {asked}; the cluster at "
-              f"{args.ray_address or ray.get_runtime_context().gcs_address} has {has}; they start when other jobs "
+              f"{pool.ray_address or ray.get_runtime_context().gcs_address} has {has}; they start when other jobs "
               "free room or an autoscaler adds nodes", file=sys.stderr)
         return
     raise ConfigError("workers", f"{asked}, but the local Ray cluster has {has}: the rest is held by other actors of "
@@ -94,11 +95,11 @@ def check_room(args: ESConfig, settle_seconds: float = 10.0) -> None:
                       "trainer first, or restart the kernel")
 
 
-def room_for_one(args: ESConfig, wait_seconds: float = 0.0) -> str | None:
+def room_for_one(pool: PoolSettings, wait_seconds: float = 0.0) -> str | None:
     """None when the cluster has room for one more actor now (or within `wait_seconds`: the room of an
     actor that just died comes back a moment after its death is reported), else what is short, e.g.
     "1 CPU needed, 0 free": a node was lost and nothing can hold a replacement until one is added."""
-    need = {kind: amount for kind, amount in (("CPU", args.ray_cpus_per_worker), ("GPU", args.ray_gpus_per_worker))
+    need = {kind: amount for kind, amount in (("CPU", pool.ray_cpus_per_worker), ("GPU", pool.ray_gpus_per_worker))
             if amount > 0}
     deadline = time.monotonic() + wait_seconds
     while True:

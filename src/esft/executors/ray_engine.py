@@ -20,7 +20,7 @@ class RayEngine:
         from transformers import AutoTokenizer
 
         self._executor = executor
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path(executor.args, executor.model))
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path(executor.settings.engine, executor.model))
         self._names: list[str] | None = None
 
     def _all(self, method: str, *args) -> list:

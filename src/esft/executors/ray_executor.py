@@ -29,12 +29,13 @@ from typing import Any
 import ray
 
 from esft.es.batches import PromptBatch, prompt_batch
-from esft.settings.config import ConfigError, ESConfig
+from esft.settings.config import ConfigError
 from esft.engines.base import NonFiniteWeights
 from esft.executors.local import MemberResult, resolve_population_batching
 from esft.executors.ray_actor import ESActor
 from esft.executors.ray_cluster import check_room, close_cluster, open_cluster, room_for_one
 from esft.executors.ray_engine import RayEngine
+from esft.executors.settings import ExecutorSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,25 +70,26 @@ class RayExecutor:
     room_wait = 10.0
     """Seconds a replacement waits for room (a dead actor's comes back a moment later) before its slot is left vacant."""
 
-    def __init__(self, args: ESConfig, task, model: str | None = None):
-        self.args, self.task, self.model = args, task, model
-        open_cluster(args)
+    def __init__(self, settings: ExecutorSettings, task, model: str | None = None):
+        self.settings, self.task, self.model = settings, task, model
+        pool = settings.pool
+        open_cluster(pool)
         self._on_cluster = True  # until close()
         atexit.register(self.close)  # before Ray's own exit handler kills the actors (registered earlier, runs later)
         try:
-            check_room(args)
+            check_room(pool)
         except ConfigError:
             self.close()
             raise
         self._actor_class = ray.remote(ESActor).options(
-            num_cpus=args.ray_cpus_per_worker, num_gpus=args.ray_gpus_per_worker, max_restarts=0, max_task_retries=0
+            num_cpus=pool.ray_cpus_per_worker, num_gpus=pool.ray_gpus_per_worker, max_restarts=0, max_task_retries=0
         )
         self._task_ref = None  # shipped on first use: the trainer renders chat prompts after building us
         self._base_ref = None  # master state loaded by load_master_state (resume), else the model on disk
         self._base_optimizer_ref = None  # optimizer state loaded on resume (adam), else a fresh optimizer
         self.updates: list[tuple[list[int], list[float], float]] = []
         self.events: list[str] = []
-        self.slots = [_Slot(i) for i in range(args.workers)]
+        self.slots = [_Slot(i) for i in range(pool.workers)]
         for slot in self.slots:
             slot.actor = self._new_actor()
         identities = ray.get([slot.actor.identity.remote() for slot in self.slots])
@@ -98,14 +100,14 @@ class RayExecutor:
         self._checksum = self._agreed(ray.get([slot.actor.checksum.remote() for slot in self.slots]))
         try:  # the batched path's self-check on one actor, before training (every actor holds the same model)
             self.population_batching = resolve_population_batching(
-                args, lambda: ray.get(self.slots[0].actor.population_batching_problem.remote()))
+                settings, lambda: ray.get(self.slots[0].actor.population_batching_problem.remote()))
         except ConfigError:
             self.close()
             raise
         self.engine = RayEngine(self)
 
     def _new_actor(self):
-        actor = self._actor_class.remote(self.args, self.model, [p for p in sys.path if p])
+        actor = self._actor_class.remote(self.settings, self.model, [p for p in sys.path if p])
         if self._task_ref is not None:
             actor.set_task.remote(self._task_ref, self.population_batching)
         return actor
@@ -141,7 +143,7 @@ class RayExecutor:
         `sigma` (this iteration's σ) goes out with the seeds."""
         sigma = float(sigma)
         self._ship_task()
-        expected = prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, batch.iteration)
+        expected = prompt_batch(self.task.train_dataset, self.settings.pool.seed, self.settings.pool.batch_size, batch.iteration)
         payload = None if expected.rows == batch.rows else list(batch.rows)
         starting: dict[Any, _Slot] = self._refill()  # vacant slots a node has room for again
         share = -(-len(member_seeds) // max(1, len(self._live()))) if self.population_batching else 1
@@ -194,7 +196,7 @@ class RayExecutor:
         """Start replacements in the vacant slots the cluster has room for now; {sync future: slot}."""
         starting = {}
         for slot in self.slots:
-            if slot.actor is None and room_for_one(self.args) is None:
+            if slot.actor is None and room_for_one(self.settings.pool) is None:
                 self._report(f"the cluster has room again: starting a replacement for actor {slot.index}")
                 if (replacement := self._replace(slot)) is not None:
                     starting[replacement] = slot
@@ -209,7 +211,7 @@ class RayExecutor:
             except Exception:  # already gone
                 pass
         slot.identity = slot.actor = None
-        short = room_for_one(self.args, self.room_wait)
+        short = room_for_one(self.settings.pool, self.room_wait)
         if short is not None:
             survivors = len(self._live())
             self._report(f"no node has room for a replacement of actor {slot.index} ({short}; a node was lost?): "

@@ -30,8 +30,9 @@ from typing import Any
 
 from esft.es.strategies import ESState
 from esft.runs.checkpoint import CheckpointError, save_checkpoint
-from esft.settings.config import ConfigError, ESConfig, es_config, model_path
+from esft.settings.config import ConfigError, ESConfig, es_config, model_path, settings_for
 from esft.engines import check_device, check_hub_id, loading_errors
+from esft.engines.settings import EngineSettings
 from esft.engines.trained_model import TrainedModelEngine
 from esft.grpo.trl_trainer import ROW_COLUMN, STAGING_DIR, TRL_DIR, TRLCheckpointFiles, build_trl_trainer, require_trl
 from esft.rewards.runner import RewardFunc, Scores
@@ -71,7 +72,7 @@ class GRPOBaseline(ESTrainer):
         """The model TRL trains, as an engine for esft's evaluation (loaded after the data is checked)."""
         args = self.args
         options = dict(max_tokens=args.max_tokens, trainable=args.trainable)
-        with loading_errors(args, model):
+        with loading_errors(EngineSettings.of(args), model):
             if model is not None and not isinstance(model, str):
                 if processing_class is None:
                     raise ConfigError("model", "a loaded model needs its tokenizer: pass processing_class=tokenizer")

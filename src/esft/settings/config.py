@@ -12,7 +12,8 @@ from typing import Any, TypeVar
 from esft.models.gguf import converted_folder, is_gguf
 from esft.settings.fields import EMBEDDED_MODEL, GROUPS, GRPO_ONLY, Fields
 from esft.settings.trl_names import not_an_esconfig, unknown_setting
-from esft.settings.rules import CHOICES, ConfigError, check, custom_rewards, is_adapter_dir, is_number, reward_weights, split_list
+from esft.es.optimizers import beta_pair
+from esft.settings.rules import CHOICES, ConfigError, check, custom_rewards, is_number, reward_weights, split_list, uses_lora
 
 T = TypeVar("T")
 
@@ -43,8 +44,8 @@ def embedded_model_path() -> Path:
     return Path(str(resources.files("esft") / "assets" / "countdown-tiny"))
 
 
-def model_path(args: ESConfig, model: str | None = None) -> str:
-    """The directory or hub id to load: `model` or --model, with 'embedded' resolved and a GGUF file
+def model_path(args: Any, model: str | None = None) -> str:
+    """The directory or hub id to load: `model` or --model (`args`: an ESConfig or an engine's settings), with 'embedded' resolved and a GGUF file
     converted to a safetensors folder (once: esft.models.gguf)."""
     name = model or args.model
     if name == EMBEDDED_MODEL:
@@ -83,7 +84,7 @@ class ESConfig(Fields):
 
     def uses_lora(self) -> bool:
         """LoRA-ES (esft.engines.lora): --lora-r or --lora-adapter given, or --model is a PEFT adapter directory."""
-        return self.lora_r > 0 or self.lora_adapter is not None or is_adapter_dir(self.model)
+        return uses_lora(self)
 
     def custom_rewards(self) -> bool:
         """--reward-funcs, --reward-model or --reward-url given: the task is built from the data files."""
@@ -95,8 +96,7 @@ class ESConfig(Fields):
 
     def adam_beta_pair(self) -> tuple[float, float]:
         """--adam-betas as two floats (validated by esft.settings.rules)."""
-        first, second = (float(part) for part in self.adam_betas.split(","))
-        return first, second
+        return beta_pair(self.adam_betas)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values, for config.yaml and checkpoints."""

@@ -72,6 +72,12 @@ def custom_rewards(settings) -> bool:
     return bool(settings.reward_funcs or settings.reward_model or settings.reward_url)
 
 
+def uses_lora(settings) -> bool:
+    """LoRA-ES (esft.engines.lora), for an ESConfig or an engine's settings: --lora-r or --lora-adapter given, or
+    --model is a PEFT adapter directory."""
+    return settings.lora_r > 0 or settings.lora_adapter is not None or is_adapter_dir(settings.model)
+
+
 MAXIMUM = {"population_size": (2**24, "EGGROLL's largest populations are 2^20 members"),
            "batch_size": (2**24, "prompts per iteration"), "iterations": (10**9, "the most a checkpoint records"),
            "train_size": (10**6, "generated problems: a million take about a minute to make here"),
