@@ -22,7 +22,7 @@ from esft.es.strategies.paper import STRATEGY as PAPER  # noqa: E402
 from esft.settings.config import ESConfig  # noqa: E402
 from esft.engines.base import Engine  # noqa: E402
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
-from esft.executors import ExecutorSettings, LocalExecutor, PoolSettings  # noqa: E402
+from esft.executors import ExecutorSettings, LocalExecutor  # noqa: E402
 from esft.executors.ray_executor import RayExecutor, ReplicaMismatch  # noqa: E402
 from esft.rewards.runner import score  # noqa: E402
 from esft.tasks.base import Task  # noqa: E402

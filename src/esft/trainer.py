@@ -32,7 +32,7 @@ from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
 from esft.rewards.conventions import RewardTrainerState
-from esft.rewards.runner import RewardError, SandboxSettings, Scores, reward_runners
+from esft.rewards.runner import RewardError, Scores, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.building import TaskSettings, build_task
@@ -71,10 +71,11 @@ class ESTrainer:
             raise TaskError("training needs a train dataset (or --iterations 0 to only evaluate)")
         if args.logging != "none":
             check_backend(args.logging)
-        self.rewards, self.accuracy = reward_runners(self.task, settings_for(SandboxSettings, args))
+        rooms = ExecutorSettings.of(args)  # the executor's, its engines' and the reward sandbox's settings
+        self.rewards, self.accuracy = reward_runners(self.task, rooms.sandbox)
         self._skip_failing = skip_failing(args.reward_skip_failing, self.rewards.names)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
-        self.executor = build_executor(ExecutorSettings.of(args), self.task, self.rewards.score,
+        self.executor = build_executor(rooms, self.task, self.rewards.score,
                                        lambda: self._build_engine(model, processing_class), model)
         self.engine = self.executor.engine
         self._model = model if isinstance(model, str) else None  # a name or directory (export_merged's base)

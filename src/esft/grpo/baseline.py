@@ -30,7 +30,7 @@ from typing import Any
 
 from esft.es.strategies import ESState
 from esft.runs.checkpoint import CheckpointError, save_checkpoint
-from esft.settings.config import ConfigError, ESConfig, es_config, model_path, settings_for
+from esft.settings.config import ConfigError, ESConfig, es_config, model_path
 from esft.engines import check_device, check_hub_id, loading_errors
 from esft.engines.settings import EngineSettings
 from esft.engines.trained_model import TrainedModelEngine

@@ -45,8 +45,8 @@ def embedded_model_path() -> Path:
 
 
 def model_path(args: Any, model: str | None = None) -> str:
-    """The directory or hub id to load: `model` or --model (`args`: an ESConfig or an engine's settings), with 'embedded' resolved and a GGUF file
-    converted to a safetensors folder (once: esft.models.gguf)."""
+    """The directory or hub id to load: `model` or --model (`args`: an ESConfig or an engine's settings), with
+    'embedded' resolved and a GGUF file converted to a safetensors folder (once: esft.models.gguf)."""
     name = model or args.model
     if name == EMBEDDED_MODEL:
         return str(embedded_model_path())
