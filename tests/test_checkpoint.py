@@ -114,13 +114,16 @@ def test_same_seed_is_bitwise_reproducible_and_another_seed_is_not(lively_model_
 
 
 # ---------------------------------------------------------------------------------- resume
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resume_continues_bit_exactly(dtype, lively_model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("dtype, master_weights", [("float32", "auto"), ("bfloat16", "auto"), ("bfloat16", "none")])
+def test_resume_continues_bit_exactly(dtype, master_weights, lively_model_dir, tmp_path, capsys):
+    """float32 weights are their own master (auto); bfloat16 ones keep a float32 master (auto, it fits) or, with
+    --master-weights none, round each update stochastically: a resume continues each of them bit for bit."""
     out = tmp_path
+    flags = ("--dtype", dtype, "--master-weights", master_weights)
     # A: 4 uninterrupted iterations
-    run_in_process(toy_args(lively_model_dir, out, "A", "--iterations", "4", "--save-every", "2", "--dtype", dtype))
+    run_in_process(toy_args(lively_model_dir, out, "A", "--iterations", "4", "--save-every", "2", *flags))
     # B: the same run stopped after 2 iterations ...
-    run_in_process(toy_args(lively_model_dir, out, "B", "--iterations", "2", "--save-every", "2", "--dtype", dtype))
+    run_in_process(toy_args(lively_model_dir, out, "B", "--iterations", "2", "--save-every", "2", *flags))
     run_b = out / "B"
     assert [p.name for p in list_checkpoints(run_b)] == ["checkpoint-2"]
     # ... after a crash: a row logged past the checkpoint, a row torn mid-write, a half-written
@@ -145,8 +148,10 @@ def test_resume_continues_bit_exactly(dtype, lively_model_dir, tmp_path, capsys)
     assert_bitwise_equal(weights_of(run_a / "checkpoint-4"), weights_of(run_b / "checkpoint-4"))
     assert next(iter(weights_of(run_b / "final").values())).dtype == getattr(torch, dtype)
 
-    if dtype == "float32":
+    if dtype == "float32" or master_weights == "none":  # the model file holds the weights exactly
         assert not (run_b / "checkpoint-2" / MASTER_FILE).exists()
+        survival = [row.get("es/update_survival") for row in metrics(run_b) if row["iteration"] > 0]
+        assert all(0.5 < value < 1.5 for value in survival) if dtype == "bfloat16" else survival == [None] * 4
     else:
         # bfloat16 weights cannot hold the float32 master: the checkpoint stores it beside them
         master = weights_of(run_b / "checkpoint-2", MASTER_FILE)

@@ -253,7 +253,8 @@ def test_a_model_folder_that_cannot_be_fine_tuned_is_one_line_before_it_loads(ca
 
 
 def test_memory_needed_is_counted_from_the_headers_with_the_flags_that_make_it_fit(tmp_path):
-    """A 7B Llama shape (a sparse file: nothing is written): bfloat16 weights 12.6 GiB, a float32 master 25.1 GiB."""
+    """A 7B Llama shape (a sparse file: nothing is written): bfloat16 weights 12.6 GiB, a float32 master 25.1 GiB;
+    without the master (--master-weights none) the weights and three float32 scratch tensors of the largest one."""
     from esft.models.footprint import GIB, ModelFolderProblem, check_model_folder, folder_weights
 
     folder = build_sparse_model(tmp_path / "7b", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -263,10 +264,11 @@ def test_memory_needed_is_counted_from_the_headers_with_the_flags_that_make_it_f
     check_model_folder(folder, "bfloat16", None, False, "cpu", available=40 * GIB)  # 38.1 GiB: fits
     expected = {  # (dtype, LoRA-ES, GiB available) -> what the one line says
         ("bfloat16", False, 30): "needs about 38.1 GiB (6.74 billion parameters: bfloat16 weights and a float32 master), "
-                                 "30.0 GiB available here; --lora-r 16 would need about 12.6 GiB",
+                                 "30.0 GiB available here; --master-weights none would need about 14.0 GiB",
         ("float32", False, 40): "needs about 50.7 GiB (6.74 billion parameters: float32 weights and a float32 master), "
                                 "40.0 GiB available here; --dtype bfloat16 would need about 38.1 GiB",
-        ("float32", False, 20): "20.0 GiB available here; --lora-r 16 --dtype bfloat16 would need about 12.6 GiB",
+        ("float32", False, 20): "20.0 GiB available here; --dtype bfloat16 --master-weights none would need about 14.0 GiB",
+        ("float32", False, 14): "14.0 GiB available here; --lora-r 16 --dtype bfloat16 would need about 12.6 GiB",
         ("bfloat16", True, 10): "needs about 12.6 GiB (6.74 billion parameters: weights), 10.0 GiB available here; no "
                                 "setting of esft makes it fit here",
     }
@@ -276,6 +278,7 @@ def test_memory_needed_is_counted_from_the_headers_with_the_flags_that_make_it_f
         assert line in str(refused.value)
     # --trainable: the master holds only what it matches (the MLPs: 4.33 billion of the 6.74)
     check_model_folder(folder, "bfloat16", r"mlp\.", False, "cpu", available=30 * GIB)
+    check_model_folder(folder, "bfloat16", None, False, "cpu", available=15 * GIB, master=False)
     check_model_folder(folder, "bfloat16", None, False, "cuda")  # a GPU: the engine's own sizing, not counted here
 
 
@@ -287,7 +290,7 @@ def test_esft_train_and_eval_refuse_a_model_no_setting_fits_before_loading_it(tm
     for command in (["train", "--iterations", "1", "--population-size", "2"], ["eval"]):
         proc, seconds = esft(*command, "--model", str(folder), "--eval-size", "4", "--max-tokens", "2", "--logging",
                              "none", "--no-progress", "--output-dir", str(tmp_path / "runs"), cwd=tmp_path)
-        assert_user_error(proc, f"--model: {folder} needs about", "parameters: float32 weights and a float32 master)",
+        assert_user_error(proc, f"--model: {folder} needs about", "parameters: float32 weights, no master)",
                           "GiB available here; no setting of esft makes it fit here")
         assert seconds < 60 and not (tmp_path / "runs").exists()
 

@@ -137,12 +137,14 @@ def test_checksum_mismatch_stops_naming_the_actors(pool):
         executor.update([1, 2], [1e-3, -1e-3])
 
 
-def test_local_and_ray_runs_end_with_bitwise_identical_weights(ray_cluster, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("weights", [{}, {"dtype": "bfloat16", "master_weights": "none"}], ids=["float32", "bf16-no-master"])
+def test_local_and_ray_runs_end_with_bitwise_identical_weights(ray_cluster, tiny_model_dir, tmp_path, weights):
+    """Also bfloat16 weights without a master: every actor rounds each update alike (seeded)."""
     finals = {}
     for executor in ("local", "ray"):
         args = ESConfig(model=str(tiny_model_dir), executor=executor, workers=2 if executor == "ray" else 1,
                         iterations=2, save_every=1, eval_batch_size=4, output_dir=str(tmp_path), run_name=executor,
-                        **SETTINGS)
+                        **SETTINGS, **weights)
         trainer = ESTrainer(model=str(tiny_model_dir), reward_funcs=[byte_reward], args=args,
                             train_dataset=toy_rows(20), eval_dataset=toy_rows(4, start=1000))
         trainer.train()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -22,6 +23,7 @@ from esft.loop.reward_faults import count_failures, failure_summary, skip_failin
 from esft.engines import build_engine
 from esft.engines.base import NonFiniteWeights, optional
 from esft.engines.logprobs import cpu_float32_copy
+from esft.engines.master_weights import resolve_master_weights
 from esft.engines.lora import export_merged, uses_adapter
 from esft.engines.settings import EngineSettings
 from esft.loop.evaluation import EvalSettings, evaluate_task, kl_scorer
@@ -72,6 +74,14 @@ class ESTrainer:
         if args.logging != "none":
             check_backend(args.logging)
         rooms = ExecutorSettings.of(args)  # the executor's, its engines' and the reward sandbox's settings
+        # --master-weights auto, resolved once here: every engine (each Ray actor's too) keeps its weights alike
+        loaded = model is not None and not isinstance(model, str)
+        engine_settings, line = resolve_master_weights(rooms.engine, None if loaded else model_path(rooms.engine, model),
+                                                       model if loaded else None)
+        if line is not None:
+            print(f"esft: {line}", file=sys.stderr)
+        self._engine_settings = engine_settings
+        rooms = dataclasses.replace(rooms, engine=engine_settings)
         self.rewards, self.accuracy = reward_runners(self.task, rooms.sandbox)
         self._skip_failing = skip_failing(args.reward_skip_failing, self.rewards.names)
         # --engine/--executor: the loop below only talks to self.executor (and self.engine for checkpoints).
@@ -121,7 +131,7 @@ class ESTrainer:
 
     def _build_engine(self, model: Any, processing_class: Any):
         """The engine (built after the task and its data are checked; esft.grpo.baseline builds another)."""
-        return build_engine(EngineSettings.of(self.args), model, processing_class)
+        return build_engine(self._engine_settings, model, processing_class)
 
     def _build_task(self, reward_funcs, train_dataset, eval_dataset, reward_weights, accuracy_func) -> Task:
         """The task (esft.tasks.building), from the settings it uses or the objects given to ESTrainer."""
@@ -379,7 +389,8 @@ class ESTrainer:
         row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
                                           sum(m.num_tokens for m in members), elapsed, self._budget)
         return row | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],
-                                         sigma, self.strategy.mirrored, self.executor.update_ratio())
+                                         sigma, self.strategy.mirrored, self.executor.update_ratio(),
+                                         self.executor.update_survival())
 
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:
@@ -387,7 +398,9 @@ class ESTrainer:
         state = {"iteration": self.state.iteration, "seed": self.args.seed, "run_id": self.run.run_id,
                  "named_files": self.run.named_files, "config": self.args.to_dict(), "checksum": checksum,
                  "train_eval_overlap": self.task.metadata.get("train_eval_overlap", {}), "learning": self._watch.record(checksum)}
-        save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32")
+        # the model file holds the weights exactly where they are their own master (float32, --master-weights none)
+        save_checkpoint(self.engine, directory, state, save_master=self.args.dtype != "float32"
+                        and self._engine_settings.master_weights == "float32")
 
     def save_model(self, path: str | Path, merged: bool = False) -> None:
         """Write the current weights and tokenizer (atomically), loadable with from_pretrained; for

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -43,6 +44,7 @@ def build_engine(args: EngineSettings, model: Any = None, tokenizer: Any = None)
     `model` itself if it is an engine. LoRA-ES (--lora-r, --lora-adapter, an adapter directory or a
     peft.PeftModel as the model): the engine perturbs only the adapter (esft.engines.lora, esft.engines.vllm_lora).
     `args`: the engine's settings (esft.engines.settings), the loader's first argument."""
+    from esft.engines.master_weights import resolve_master_weights
     from esft.engines.registry import engine_spec
     from esft.es.optimizers import optimizer_spec
     from esft.settings.config import ConfigError, model_path
@@ -57,6 +59,7 @@ def build_engine(args: EngineSettings, model: Any = None, tokenizer: Any = None)
             raise ConfigError("engine", f"{args.engine} loads the model itself: pass a model name or directory, not a loaded model")
         if tokenizer is None:
             raise ConfigError("model", "a loaded model needs its tokenizer: pass processing_class=tokenizer")
+        args, _ = resolve_master_weights(args, model=model)
         try:
             return wrap(args, model, tokenizer, options)
         except NoTrainableParameters as error:
@@ -64,6 +67,9 @@ def build_engine(args: EngineSettings, model: Any = None, tokenizer: Any = None)
     path = model_path(args, model)
     check_device(args.device)
     check_hub_id(path)
+    args, line = resolve_master_weights(args, path)  # the trainer resolves it first: then nothing to say here
+    if line is not None:
+        print(f"esft: {line}", file=sys.stderr)
     check_folder(args, path)
     with loading_errors(args, model):
         return spec.loader()(args, path, options)
@@ -82,7 +88,8 @@ def check_folder(args: EngineSettings, path: str) -> None:
     if not Path(path).is_dir():
         return
     try:
-        check_model_folder(Path(path), args.dtype, args.trainable, args.uses_lora(), resolve_device(args.device).type)
+        check_model_folder(Path(path), args.dtype, args.trainable, args.uses_lora(), resolve_device(args.device).type,
+                           master=args.master_weights != "none")
     except ModelFolderProblem as error:
         raise ConfigError("model", str(error)) from None
 

@@ -133,7 +133,8 @@ def generation_from_tokens(rows: Sequence[Sequence[int]], eos_token_ids: Sequenc
 class Engine(Protocol):
     """The calls the trainer, the executors, evaluation and checkpoints make on an engine.
 
-    Weights: the engine keeps a float32 *master* of every trainable tensor, the source of truth.
+    Weights: the engine keeps a float32 *master* of every trainable tensor, the source of truth (the
+    transformers engine with --master-weights none keeps none: the weights are their own master).
     Trainable tensors are numbered by their position in the Hugging Face model's
     `named_parameters()`: noise of tensor k of a member is a function of (member seed, k) alone, so
     every engine perturbs alike (esft.es.noise)."""
@@ -153,7 +154,8 @@ class Engine(Protocol):
         engine's optimizer (--optimizer, esft.es.optimizers) moves the master by it: sgd master += G
         (`learning_rate` only scales --weight-decay), adam its step on g = G with lr = `learning_rate`;
         then θ ← master. If the result would not be finite, raise NonFiniteWeights and keep the
-        weights from before the call."""
+        weights from before the call (without a master: those of the tensors from the offending one on,
+        the message says how many took the update)."""
 
     def optimizer_state(self) -> dict[str, Any]:
         """The optimizer's state (adam: exp_avg.<name>, exp_avg_sq.<name>, step.<name>), Hugging Face
@@ -207,6 +209,9 @@ OPTIONAL_MEMBERS: dict[str, tuple[Any, str]] = {
                     "where the weights live elsewhere (vLLM workers, Ray actors, an engine of your own)"),
     "last_update_ratio": (None, "‖Δθ‖/‖θ‖ of the last update over the trainable float32 master (es/update_ratio); "
                                 "None where the engine does not measure it"),
+    "last_update_survival": (None, "how much of the last update survived rounding into bfloat16/float16 weights "
+                                   "without a master (es/update_survival); None with a master, float32 weights, or "
+                                   "where the engine does not measure it"),
     "generate_log": ((), "(rows, adapters) of each generate call, where the engine keeps one (vLLM)"),
 }
 """What an engine may have beyond the Engine protocol: name -> (the value when it has none, what it is).

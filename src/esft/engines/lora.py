@@ -105,7 +105,8 @@ def lora_engine(args: EngineSettings, model: Any, tokenizer: Any, options: dict[
     peft_model = model if is_peft_model(model) else _with_adapter(model, args, adapter)
     names = adapter_tensor_names(peft_model, args.trainable)
     pattern = "^(?:" + "|".join(re.escape(name) for name in names) + ")$"
-    engine = TransformersEngine(peft_model, tokenizer, rank=args.rank, **{**options, "trainable": pattern})
+    engine = TransformersEngine(peft_model, tokenizer, rank=args.rank, **{**options, "trainable": pattern},
+                                master_weights="none" if args.master_weights == "none" else "float32")
     if engine.noise not in LOW_RANK_SCHEMES:  # --population-batching: each member's own adapter noise on its rows
         from esft.engines.adapter_population import AdapterPopulation
 

@@ -50,6 +50,8 @@ class EngineSpec:
     """The --noise schemes LoRA-ES accepts on this engine."""
     own_settings: tuple[str, ...] = ()
     """Settings only this engine reads: refused (one line) on any other engine, never silently ignored."""
+    master_free: bool = False
+    """Keeps --master-weights none: the weights without a float32 master (MASTER_WEIGHTS)."""
     demo_preset: str | None = None
     """None: the demo preset (--noise lowrank --rank 1 --population-batching) was measured on this engine;
     else why it was not, said when the preset is dropped for it."""
@@ -72,6 +74,12 @@ def _resolve(target):
     return getattr(importlib.import_module(module), name)
 
 
+MASTER_WEIGHTS = {
+    "float32": "a float32 master of every trainable tensor beside the weights, which are it rounded to nearest",
+    "none": "the weights alone; low-precision ones take each update with seeded stochastic rounding (esft.es.rounding)",
+}
+"""--master-weights' choices besides auto (esft.engines.master_weights resolves auto)."""
+
 ENGINES: dict[str, EngineSpec] = {}
 """--engine's choices, by name (esft.settings.rules reads this dict itself, so a registered engine is one)."""
 
@@ -91,7 +99,7 @@ def engine_spec(name: str) -> EngineSpec:
 
 register_engine(EngineSpec(
     "transformers", "in-process transformers model (the default)", "esft.engines.building:load_transformers",
-    wrap="esft.engines.building:wrap_transformers"))
+    wrap="esft.engines.building:wrap_transformers", master_free=True))
 register_engine(EngineSpec(
     "vllm", "weights live in vLLM workers and are perturbed in place; with --noise lowrank or LoRA-ES every member is "
     "a LoRA adapter instead, the whole population in one generate: --vllm-max-loras; install esft[vllm], or "

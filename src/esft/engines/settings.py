@@ -17,6 +17,7 @@ class EngineSettings:
     model: str = "embedded"
     engine: str = "transformers"
     dtype: str = "float32"
+    master_weights: str = "auto"
     device: str = "auto"
     trainable: str | None = None
     seed: int = 0

@@ -1,15 +1,23 @@
 """The in-process engine: a transformers causal LM whose trainable tensors ES perturbs in place.
 
-Weights: a float32 master copy of every trainable tensor is the source of truth. A member's weights
-are `master + σ·ε` rounded once to the model dtype; restoring copies the master back, which is
-bit-exact in any dtype (subtracting σ·ε again would not be, in bfloat16/float16). Updates accumulate
+Weights (--master-weights): with `float32`, a float32 master copy of every trainable tensor is the source of
+truth. A member's weights are `master + σ·ε` rounded once to the model dtype; restoring copies the master back,
+which is bit-exact in any dtype (subtracting σ·ε again would not be, in bfloat16/float16). Updates accumulate
 in float32 on the master, so small steps are not rounded away in low-precision models.
+
+With `none` the weights are their own master: no copy is kept. A member's weights are computed as above (the
+same numbers), and restoring computes θ − σ·ε back, rounded to the weights' dtype, and puts back the few elements
+where that differs from what was there (`_Perturbation`: kept from the perturb, a few percent of the elements at
+σ 1e-2 in bfloat16, fewer at smaller σ); updates land through esft.es.update's path without a master (float32
+weights: the master's numbers bit for bit; bfloat16/float16: seeded stochastic rounding). Population batching
+never writes the weights, so it needs neither.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -31,6 +39,18 @@ from esft.engines.base import (
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 from esft.es.optimizers import ESOptimizer
 from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update
+from esft.engines.registry import MASTER_WEIGHTS
+
+
+@dataclass
+class _Perturbation:
+    """A member's perturbation held by weights without a master: its seed and σ, and per tensor the flat indices
+    and original values of the elements θ − σ·ε would not give back exactly."""
+
+    member_seed: int
+    sigma: float
+    fixes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
 
 class TransformersEngine:
     """Holds one transformers model; member evaluation = perturb → generate → restore."""
@@ -46,6 +66,7 @@ class TransformersEngine:
         mini_batch_size: int | None = None,
         rank: int = 1,
         optimizer: dict | None = None,
+        master_weights: str = "float32",
     ):
         self.model = model.eval().requires_grad_(False)
         self.tokenizer = tokenizer
@@ -71,7 +92,15 @@ class TransformersEngine:
             raise NoTrainableParameters(
                 f"{trainable!r} matches no parameter of the model; names look like {next(iter(dict(model.named_parameters())))!r}"
             )
-        self.master = {name: param.detach().to(torch.float32).clone() for _, name, param in self.trainable}
+        if master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"master_weights must be one of {', '.join(MASTER_WEIGHTS)}, got {master_weights!r}")
+        self.master_weights = master_weights
+        """--master-weights, resolved: float32 (a master beside the weights) or none (the weights are the master)."""
+        own = master_weights == "none"
+        self.master = {name: param.data if own else param.detach().to(torch.float32).clone()
+                       for _, name, param in self.trainable}
+        """The truth of each trainable tensor: its float32 master, or (none) the weights themselves."""
+        self._perturbation: _Perturbation | None = None
         # Noise scratch: views of ONE float32 buffer the size of the largest tensor (tensors are
         # perturbed one at a time), not a second float32 copy of every trainable tensor.
         flat = torch.empty(max(m.numel() for m in self.master.values()), dtype=torch.float32, device=self.device)
@@ -80,10 +109,13 @@ class TransformersEngine:
         """How G moves the master (--optimizer: esft.es.optimizers.optimizer_spec); adam's state beside the master."""
         self._noise_buffer = flat
         self._update_tensors = [  # the master's tensors, updated in place
-            UpdateTensor(index, tuple(param.shape), [Piece(name, self.master[name], name, param.dtype)])
+            UpdateTensor(index, tuple(param.shape), [Piece(name, self.master[name], name, param.dtype, own_weights=own)])
             for index, name, param in self.trainable]
         self.last_update_ratio: float | None = None
         """‖Δθ‖/‖θ‖ of the last update (the trainable float32 master; None before the first)."""
+        self.last_update_survival: float | None = None
+        """How much of the last update survived rounding into bfloat16/float16 weights without a master (1: all of
+        it on average; esft.es.update.UpdateResult.survival); None with a master or float32 weights."""
         self._encoded: dict[tuple[str, ...], dict[str, torch.Tensor]] = {}
         self._prepare_tokenizer_and_generation()
         if noise not in LOW_RANK_SCHEMES:  # --population-batching with full-rank noise: each member's own weights
@@ -139,9 +171,41 @@ class TransformersEngine:
     @torch.no_grad()
     def perturb(self, member_seed: int, sigma: float) -> None:
         """θ ← master + σ·ε(member_seed), tensor by tensor, in the model dtype."""
+        if self.master_weights == "none":
+            self._perturb_own_weights(member_seed, sigma)
+            return
         for index, name, param in self.trainable:
             if perturbs(self.noise, param.shape):  # else frozen under this scheme (low-rank: non-matrix tensors)
                 self.perturbed_into(index, name, member_seed, sigma, param)
+
+    def _perturb_own_weights(self, member_seed: int, sigma: float) -> None:
+        """perturb without a master: θ ← θ + σ·ε (perturbed_into's numbers), keeping for each tensor the elements
+        that (θ + σ·ε) − σ·ε would not give back exactly (module docstring)."""
+        if self._perturbation is not None:
+            raise RuntimeError("perturb called twice without restore: the weights hold a member's perturbation")
+        fixes = {}
+        for index, name, param in self.trainable:
+            if not perturbs(self.noise, param.shape):
+                continue
+            member = torch.empty(param.shape, dtype=torch.float32, device=self.device)
+            self.perturbed_into(index, name, member_seed, sigma, member)
+            member = member.to(param.dtype)
+            back = self._minus_noise(index, name, member_seed, sigma, member)
+            wrong = (back != param).view(-1).nonzero().squeeze(1)
+            fixes[name] = (wrong, param.view(-1)[wrong].clone())
+            param.copy_(member)
+            del member, back
+        self._perturbation = _Perturbation(member_seed, sigma, fixes)
+
+    def _minus_noise(self, index: int, name: str, member_seed: int, sigma: float, weights: torch.Tensor) -> torch.Tensor:
+        """weights − σ·ε(member_seed) of tensor `index`, computed in float32 and rounded to weights' dtype."""
+        out = weights.to(torch.float32, copy=True)
+        if self.noise in LOW_RANK_SCHEMES:
+            lowrank.perturbed_matrix(out, member_seed, index, -sigma, self.rank, self._generator, out)
+        else:
+            noise = draw_noise(self.noise, member_seed, index, weights.shape, self.device, self._generator, self._scratch[name])
+            out.add_(noise, alpha=-sigma)
+        return out.to(weights.dtype)
 
     @torch.no_grad()
     def perturbed_into(self, index: int, name: str, member_seed: int, sigma: float, out: torch.Tensor) -> None:
@@ -150,19 +214,36 @@ class TransformersEngine:
         (esft.engines.fullrank_population), the same values either way."""
         direct = out.dtype == torch.float32  # one fused pass into `out` itself, else via scratch and a copy
         target = out if direct else self._scratch[name]
+        master = self.master[name]
+        if master.dtype != torch.float32:  # without a master: the low-precision weights in float32, in the target
+            if not direct:  # (not in the scratch the noise is drawn into)
+                target = torch.empty(out.shape, dtype=torch.float32, device=self.device)
+            master = target.copy_(master)
         if self.noise in LOW_RANK_SCHEMES:
-            lowrank.perturbed_matrix(self.master[name], member_seed, index, sigma, self.rank, self._generator, target)
+            lowrank.perturbed_matrix(master, member_seed, index, sigma, self.rank, self._generator, target)
         else:
             noise = draw_noise(self.noise, member_seed, index, out.shape, self.device, self._generator, self._scratch[name])
-            torch.add(self.master[name], noise, alpha=sigma, out=target)
+            torch.add(master, noise, alpha=sigma, out=target)
         if not direct:
             out.copy_(target)
 
     @torch.no_grad()
     def restore(self) -> None:
-        """θ ← master (rounded to the model dtype): bit-exact, whatever was done to θ."""
-        for _, name, param in self.trainable:
-            param.copy_(self.master[name])
+        """θ ← master (rounded to the model dtype): bit-exact, whatever was done to θ. Without a master: the
+        weights from before the last perturb, bit-exact (θ − σ·ε and the elements kept for it)."""
+        if self.master_weights == "float32":
+            for _, name, param in self.trainable:
+                param.copy_(self.master[name])
+            return
+        perturbation, self._perturbation = self._perturbation, None
+        if perturbation is None:
+            return  # the weights are the master: nothing was done to them
+        for index, name, param in self.trainable:
+            if name in perturbation.fixes:
+                back = self._minus_noise(index, name, perturbation.member_seed, perturbation.sigma, param)
+                where, values = perturbation.fixes[name]
+                back.view(-1)[where] = values
+                param.copy_(back)
 
     @torch.no_grad()
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:
@@ -181,16 +262,26 @@ class TransformersEngine:
 
         # the rule from the engine's noise and rank now (benchmarks switch them on a built engine)
         rule = UpdateRule(self.noise, self.rank, self.optimizer, self._generator, self._noise_buffer, self.device)
+        if self._perturbation is not None:
+            self.restore()  # without a master: a member's perturbation is never what is updated
         result = apply_update(self._update_tensors, member_seeds, coefficients, rule, learning_rate, put_back)
         if result.bad:
+            kept = ("weights unchanged" if not result.stepped else
+                    f"{result.stepped} tensor(s) before it took the update: without a master (--master-weights none) "
+                    "nothing is kept to undo them, so train on from the last checkpoint, not from these weights")
             raise NonFiniteWeights(f"the update would make {len(result.bad)} tensor(s) non-finite "
-                                   f"({', '.join(result.bad[:3])}) (weights unchanged)")
-        for name, param in stepped:
-            param.copy_(self.master[name])
+                                   f"({', '.join(result.bad[:3])}) ({kept})")
+        if self.master_weights == "float32":
+            for name, param in stepped:
+                param.copy_(self.master[name])
         self.last_update_ratio = result.ratio
+        self.last_update_survival = result.survival
 
     def master_state(self) -> dict[str, torch.Tensor]:
-        """The float32 master of the trainable tensors (for checkpoints)."""
+        """The float32 master of the trainable tensors (for checkpoints); without a master, the weights in their
+        own dtype (the model file holds them exactly)."""
+        if self._perturbation is not None:
+            self.restore()
         return {name: tensor.detach().cpu().clone() for name, tensor in self.master.items()}
 
     @torch.no_grad()
@@ -199,6 +290,7 @@ class TransformersEngine:
         missing = set(self.master) - set(state)
         if missing:
             raise ValueError(f"checkpoint master state lacks tensors: {sorted(missing)[:5]}")
+        self._perturbation = None  # the state replaces the weights, perturbed or not
         for name in self.master:
             self.master[name].copy_(state[name])
         self.restore()
@@ -213,8 +305,11 @@ class TransformersEngine:
         self.optimizer.load_state_dict(state, self.device)
 
     def checksum(self) -> str:
-        """A digest of the master weights; equal digests mean bit-identical replicas."""
-        return master_checksum((name, self.master[name]) for _, name, _ in self.trainable)
+        """A digest of the master weights (without a master: of the weights, as float32, tensor by tensor: a
+        float32 model's digest is the one a master would have); equal digests mean bit-identical replicas."""
+        if self._perturbation is not None:
+            self.restore()
+        return master_checksum((name, self.master[name].float()) for _, name, _ in self.trainable)
 
     def num_trainable(self) -> int:
         """Count of trainable scalars."""

@@ -17,7 +17,15 @@ tensor; a vLLM worker the blocks of vLLM's fused, sharded parameters that the te
 after rounding to the live weights' dtype; otherwise the update is undone (the engine's `put_back`
 restores the master, the optimizer's state of the stepped tensors is put back) and the names of the
 offending tensors are returned. The engine then writes its live weights from the master (a commit it
-does itself: in place, on a GPU, as vLLM repacks). Pure torch on seeds and tensors: no model.
+does itself: in place, on a GPU, as vLLM repacks).
+
+Without a master (--master-weights none: `Piece.own_weights`) the piece is the live weights themselves, in their
+own dtype. Tensor by tensor, the step is taken on a float32 copy of them, by the same arithmetic as on a master
+(a float32 model's weights come out bit for bit as a master's would), checked, and written back: float32 as it
+is, bfloat16/float16 by seeded stochastic rounding (esft.es.rounding), which also measures how much of the step
+survived (`UpdateResult.survival`). A tensor that would not be finite is left as it was and the update stops
+there: the tensors before it keep their step (`UpdateResult.stepped`), as nothing is kept to undo them with.
+Pure torch on seeds and tensors: no model.
 """
 
 from __future__ import annotations
@@ -25,11 +33,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import math
+
 import torch
 
 from esft.es import lowrank
 from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
 from esft.es.optimizers import ESOptimizer
+from esft.es.rounding import round_stochastically, rounding_seed
 
 
 @dataclass
@@ -39,13 +50,15 @@ class Piece:
     key: str
     """The optimizer's key of this piece (its state is kept per key)."""
     master: torch.Tensor
-    """float32: a view into the engine's master."""
+    """float32: a view into the engine's master; with `own_weights`, the live weights (any dtype)."""
     name: str
     """What an error names: the tensor (or the vLLM parameter) the piece belongs to."""
     dtype: torch.dtype = torch.float32
     """The live weights' dtype: the master must stay finite after rounding to it."""
     where: tuple[slice, ...] | None = None
     """The piece's block of the HF-shaped tensor; None: the whole tensor, same shape."""
+    own_weights: bool = False
+    """No master behind it (--master-weights none): `master` is the weights, written tensor by tensor."""
 
 
 @dataclass
@@ -78,11 +91,22 @@ class UpdateResult:
     bad: list[str]
     moved_sq: float = 0.0
     weights_sq: float = 0.0
+    stepped: int = 0
+    """Without a master: the tensors written before the one that would not be finite."""
+    kept_dot: float = 0.0
+    rounded_sq: float = 0.0
+    """Without a master, over the rounded (low-precision) pieces: ⟨Δθ written, Δθ in float32⟩ and ‖Δθ in float32‖²."""
 
     @property
     def ratio(self) -> float:
         """‖Δθ‖/‖θ‖ of the update (0 for weights that are all zero)."""
         return (self.moved_sq / self.weights_sq) ** 0.5 if self.weights_sq else 0.0
+
+    @property
+    def survival(self) -> float | None:
+        """How much of the float32 step the rounded weights took, ⟨written, step⟩/‖step‖² (1: all of it, on
+        average, as stochastic rounding keeps it; 0: nothing); None where nothing was rounded (a master, float32)."""
+        return self.kept_dot / self.rounded_sq if self.rounded_sq else None
 
 
 @torch.no_grad()
@@ -101,6 +125,11 @@ def apply_update(tensors: Iterable[UpdateTensor], member_seeds: Sequence[int], c
         for tensor in tensors:
             if not perturbs(rule.noise, tensor.shape):
                 continue  # frozen under this scheme (low-rank: tensors that are not matrices)
+            if any(piece.own_weights for piece in tensor.pieces):
+                if not _step_own_weights(tensor, member_seeds, coefficients, rule, learning_rate, result):
+                    optimizer.rollback()
+                    return result
+                continue
             before = [piece.master.clone() for piece in tensor.pieces]  # one tensor at a time: ‖Δθ‖
             _step(tensor, member_seeds, coefficients, rule, learning_rate)
             for piece, old in zip(tensor.pieces, before):
@@ -142,6 +171,48 @@ def _step(tensor: UpdateTensor, member_seeds, coefficients, rule: UpdateRule, le
     for piece in tensor.pieces:  # sgd: master += G
         gradient = total if piece.where is None else total[piece.where].contiguous()
         optimizer.step(piece.key, piece.master, gradient, learning_rate)
+
+
+CHUNK = 1 << 20
+"""Elements rounded at once without a master: the rounding's temporaries stay a few MB whatever the tensor."""
+
+
+def _step_own_weights(tensor: UpdateTensor, member_seeds, coefficients, rule: UpdateRule, learning_rate: float,
+                      result: UpdateResult) -> bool:
+    """One tensor without a master (module docstring): its step on a float32 copy of the weights, then written
+    back; False (and the tensor named in result.bad, its weights as they were) when the step would not be finite."""
+    (piece,) = tensor.pieces  # a vLLM worker's pieces keep a master: only whole tensors come here
+    weights = piece.master
+    work = weights.to(torch.float32, copy=True)
+    _step(UpdateTensor(tensor.index, tensor.shape, [Piece(piece.key, work, piece.name)]), member_seeds, coefficients,
+          rule, learning_rate)
+    low, high = torch.aminmax(work)
+    largest = torch.finfo(weights.dtype).max
+    if not (math.isfinite(float(low)) and math.isfinite(float(high)) and -largest <= float(low)
+            and float(high) <= largest):
+        result.bad = [piece.name]
+        return False
+    if weights.dtype == torch.float32:  # the master's own arithmetic and sums: its ratio, bit for bit
+        result.moved_sq += float((weights - work).square().sum(dtype=torch.float64))
+        result.weights_sq += float(work.square().sum(dtype=torch.float64))
+        weights.copy_(work)
+        result.stepped += 1
+        return True
+    generator = rule.generator.manual_seed(rounding_seed(member_seeds, tensor.index))
+    uniforms = rule.scratch[: min(CHUNK, work.numel())]
+    flat_work, flat_weights = work.view(-1), weights.view(-1)
+    for start in range(0, work.numel(), CHUNK):
+        new, old = flat_work[start : start + CHUNK], flat_weights[start : start + CHUNK]
+        step = new - old.float()
+        written = old.float().neg_()
+        round_stochastically(new, old, generator, uniforms[: new.numel()])
+        written.add_(old.float())  # round(new) − old
+        result.moved_sq += float(written.square().sum(dtype=torch.float64))
+        result.weights_sq += float(old.float().square().sum(dtype=torch.float64))
+        result.kept_dot += float((written * step).sum(dtype=torch.float64))
+        result.rounded_sq += float(step.square().sum(dtype=torch.float64))
+    result.stepped += 1
+    return True
 
 
 def gathered(tensor: UpdateTensor) -> torch.Tensor:

@@ -116,6 +116,10 @@ class LocalExecutor:
         """‖Δθ‖/‖θ‖ of the last update, where the engine measures it (esft.es.update: transformers, vLLM), else None."""
         return optional(self.engine, "last_update_ratio")
 
+    def update_survival(self) -> float | None:
+        """How much of the last update survived rounding without a master (esft.es.update), else None."""
+        return optional(self.engine, "last_update_survival")
+
     def generate(
         self, prompts: Sequence[str], mini_batch_size: int | None = None, sampling: Sampling | None = None
     ) -> Generation:

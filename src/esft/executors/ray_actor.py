@@ -115,6 +115,9 @@ class ESActor:
     def update_ratio(self) -> float | None:
         return self._local.update_ratio()
 
+    def update_survival(self) -> float | None:
+        return self._local.update_survival()
+
     def synchronise(self, base: dict | None, updates: Sequence[tuple[list[int], list[float], float]], state: dict | None,
                     base_optimizer: dict | None = None, optimizer: dict | None = None) -> str:
         """Become a replica: load `state` and `optimizer` (a live actor's weights and optimizer state) or

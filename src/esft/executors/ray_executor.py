@@ -302,6 +302,10 @@ class RayExecutor:
         """‖Δθ‖/‖θ‖ of the last update, from one actor (all apply the same update)."""
         return self._call_one("update_ratio")
 
+    def update_survival(self) -> float | None:
+        """How much of the last update survived rounding without a master, from one actor (all round alike)."""
+        return self._call_one("update_survival")
+
     def _call_one(self, method: str, *args, **kwargs):
         """Run a call on the first actor that answers (evaluation, saving)."""
         for slot in self._live():

@@ -90,9 +90,9 @@ class LearningWatch:
 
     def observe(self, iteration: int, rewards: Sequence[float], coefficients: Sequence[float],
                 fingerprints: Sequence[Sequence[int]], sigma: float, mirrored: bool,
-                update_ratio: float | None) -> dict[str, float]:
-        """The iteration row's es/distinct_completions, es/tied, es/update_ratio (where the engine measures
-        it) and, under a mirrored strategy, es/pairs_differ; says the first tie (`iteration`: 1-based)."""
+                update_ratio: float | None, update_survival: float | None = None) -> dict[str, float]:
+        """The iteration row's es/distinct_completions, es/tied, es/update_ratio and es/update_survival (where the
+        engine measures them) and, under a mirrored strategy, es/pairs_differ; says the first tie (`iteration`: 1-based)."""
         signal = iteration_signal(rewards, coefficients, fingerprints)
         self.iterations += 1
         if signal.tied:
@@ -108,6 +108,8 @@ class LearningWatch:
             row["es/pairs_differ"] = pairs_differ(rewards)
         if update_ratio is not None:
             row["es/update_ratio"] = update_ratio
+        if update_survival is not None:
+            row["es/update_survival"] = update_survival
         return row
 
     def moved(self, checksum: str | None) -> bool | None:

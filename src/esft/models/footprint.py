@@ -194,14 +194,26 @@ def first_different_shape(folder: Path, weights: Weights) -> tuple[str, tuple, t
                  if name in described and described[name] != shape), None)
 
 
-def needed_bytes(weights: Weights, dtype: str, trainable: str | None, lora: bool) -> int:
+def needed_bytes(weights: Weights, dtype: str, trainable: str | None, lora: bool, master: bool = True) -> int:
     """The least memory the transformers engine holds for these weights: the weights in `dtype`, and (full-parameter
-    ES) a float32 master of each trainable tensor and a float32 scratch the size of the largest."""
+    ES) a float32 master of each trainable tensor (unless --master-weights none: `master` False) and float32 scratch
+    the size of the largest (without a master: its noise, its update and its rounding's, esft.es.rounding)."""
     total = weights.parameters * DTYPE_BYTES.get(dtype, 4)
     if lora:  # LoRA-ES: the master and the noise are the adapter's, a few MB
         return total
-    master, largest = weights.trainable(trainable)
-    return total + 4 * master + 4 * largest
+    trained, largest = weights.trainable(trainable)
+    return total + (4 * trained + 4 * largest if master else 3 * 4 * largest)
+
+
+def master_fits(folder: Path, dtype: str, trainable: str | None, device: str) -> tuple[bool, str] | None:
+    """Whether a float32 master of a local model folder's trainable weights fits in the memory available here
+    (True or False, and the sizes in words), None where that is not known (not a folder of safetensors, a GPU)."""
+    weights = folder_weights(Path(folder)) if (Path(folder) / "config.json").is_file() else None
+    have = available_bytes(device)
+    if weights is None or have is None:
+        return None
+    need = needed_bytes(weights, dtype, trainable, False)
+    return need <= have, f"{dtype} weights and a float32 master need about {gb(need)}, {gb(have)} available"
 
 
 def available_bytes(device: str) -> int | None:
@@ -247,7 +259,7 @@ def count(n: int) -> str:
 
 
 def check_model_folder(folder: Path, dtype: str, trainable: str | None, lora: bool, device: str,
-                       available: int | None = None) -> None:
+                       available: int | None = None, master: bool = True) -> None:
     """ModelFolderProblem (module docstring) for a local model folder that cannot be fine-tuned here; nothing for
     one that may be (or that is not a folder: a hub id, a GGUF file, checked elsewhere). `available`: the bytes
     free for it (default: available_bytes(device))."""
@@ -273,20 +285,26 @@ def check_model_folder(folder: Path, dtype: str, trainable: str | None, lora: bo
         raise ModelFolderProblem(f"{folder}: its weights hold {name} of shape {list(held)}, its config.json describes "
                                  f"{list(wanted)}: config and weights do not belong together; put back the model's own "
                                  "config.json")
-    need = needed_bytes(weights, dtype, trainable, lora)
+    master = master and not lora
+    need = needed_bytes(weights, dtype, trainable, lora, master)
     have = available_bytes(device) if available is None else available
     if have is None or need <= have:
         return
-    smaller = [] if DTYPE_BYTES.get(dtype, 4) <= 2 else [("--dtype bfloat16", "bfloat16", lora)]
+    wide = DTYPE_BYTES.get(dtype, 4) > 2
+    smaller = [("--dtype bfloat16", "bfloat16", lora, master)] if wide else []  # (flags, dtype, lora, master)
+    if master:
+        smaller += [("--master-weights none", dtype, False, False)]
+        smaller += [("--dtype bfloat16 --master-weights none", "bfloat16", False, False)] if wide else []
     if not lora:
-        smaller += [("--lora-r 16", dtype, True)] + [(f"--lora-r 16 {flag}", d, True) for flag, d, _ in smaller]
-    fitting = next(((flags, n) for flags, d, lo in smaller if (n := needed_bytes(weights, d, trainable, lo)) <= have),
-                   None)
+        smaller += [("--lora-r 16", dtype, True, False)]
+        smaller += [("--lora-r 16 --dtype bfloat16", "bfloat16", True, False)] if wide else []
+    fitting = next(((flags, n) for flags, d, lo, m in smaller
+                    if (n := needed_bytes(weights, d, trainable, lo, m)) <= have), None)
     if fitting is not None:
         advice = f"{fitting[0]} would need about {gb(fitting[1])}"
     else:
         advice = "no setting of esft makes it fit here (LoRA-ES in bfloat16 still needs the weights); use a machine " \
                  "with more memory"
-    what = "weights" if lora else f"{dtype} weights and a float32 master"
+    what = "weights" if lora else f"{dtype} weights and a float32 master" if master else f"{dtype} weights, no master"
     raise ModelFolderProblem(f"{folder} needs about {gb(need)} ({count(weights.parameters)} parameters: {what}), "
                              f"{gb(have)} available here; {advice}")

@@ -221,7 +221,7 @@ def load_master(checkpoint: Path, engine, optimizer: str = "sgd") -> None:
     expected = read_state(checkpoint).get("checksum")
     if expected is not None and engine.checksum() != expected:
         raise CheckpointError(f"{checkpoint}: the loaded weights do not match the checksum recorded in {STATE_FILE} "
-                              "(a different model, dtype or --trainable than the run used?)")
+                              "(a different model, dtype, --trainable or --master-weights than the run used?)")
     if optimizer == "adam":
         _load_optimizer(checkpoint, engine)
 

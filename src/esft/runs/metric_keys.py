@@ -83,6 +83,10 @@ METRICS: tuple[Metric, ...] = (
            "this model), N every member its own.", "the batch's prompts (distinct over the N members)", ES_ROWS),
     Metric("es/update_ratio", "‖Δθ‖/‖θ‖ of the iteration's update over the trainable float32 master (0: the weights "
            "did not move).", "all trainable tensors", ES_ROWS + ", transformers and vLLM engines, in process or on Ray actors (not LoRA-ES on vLLM)"),
+    Metric("es/update_survival", "How much of the iteration's float32 update the bfloat16/float16 weights took "
+           "without a master (--master-weights none), ⟨Δθ written, Δθ⟩/‖Δθ‖²: 1 on average under stochastic "
+           "rounding; near 0 would mean steps far below the weights' precision.", "all trainable tensors",
+           ES_ROWS + ", the transformers engine without a master, low-precision weights"),
     Metric("es/pairs_differ", "Fraction of ±σ pairs whose two rewards differ (a pair that ties adds nothing to "
            "the update).", "the N/2 pairs", ES_ROWS + " with --strategy antithetic"),
     # ---- training: GRPO (TRL's values for the step, as TRL logs them)

@@ -54,6 +54,16 @@ class Fields:
         default=EMBEDDED_MODEL,
     )
     dtype: str = _in("model", "Model weights dtype: float32, bfloat16 or float16.", default="float32")
+    master_weights: str = _in(
+        "model",
+        "Where the weights' truth lives (the transformers engine): float32 keeps a float32 master of every trainable "
+        "tensor beside the model (4 bytes per parameter; the live weights are it rounded to nearest); none keeps "
+        "only the weights themselves: a float32 model is then the same run bit for bit without the copy, a "
+        "bfloat16/float16 one takes each update with seeded stochastic rounding (small steps survive on average, "
+        "es/update_survival says how much; esft.es.rounding). auto: none for float32 weights, else float32 when "
+        "the master fits in memory and none (said in one line) when it does not. vLLM keeps a float32 master.",
+        algorithms=ES_MEMBERS, default="auto",
+    )
     device: str = _in("model", "cpu, cuda, cuda:N or auto (CUDA if available).", default="auto")
     trainable: str | None = _in(
         "model",

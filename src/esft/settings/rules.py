@@ -10,7 +10,7 @@ import reprlib
 from pathlib import Path
 from typing import Any
 
-from esft.engines.registry import ENGINES
+from esft.engines.registry import ENGINES, MASTER_WEIGHTS
 from esft.es.fitness import FAILED_SAMPLES
 from esft.es import schedules
 from esft.es.noise import NOISE_SCHEMES
@@ -30,6 +30,7 @@ CHOICES = {  # the ES and engine choices are their registries themselves (a regi
     "failed_samples": FAILED_SAMPLES,
     "prompt_format": ("auto", "raw", "chat"),
     "dtype": ("float32", "bfloat16", "float16"),
+    "master_weights": ("auto", *MASTER_WEIGHTS),
     "logging": ("tensorboard", "wandb", "none"),
     "engine": ENGINES,
     "executor": ("local", "ray"),
@@ -122,6 +123,7 @@ def check(config) -> None:
         if getattr(config, name) not in allowed:
             raise ConfigError(name, f"must be one of {', '.join(allowed)}; got {shown(getattr(config, name))}")
     _check_scale_out(config)
+    _check_master_weights(config)
     _check_algorithm(config)
     if config.population_batching not in (True, False, "auto"):
         raise ConfigError("population_batching", f"must be true, false or auto; got {shown(config.population_batching)}")
@@ -187,6 +189,14 @@ def _check_scale_out(config) -> None:
                 flag = f"--{engine_or_executor} {wanted}"
                 raise ConfigError(name, f"is a setting of {flag}, which this run does not use (--{engine_or_executor} "
                                   f"{getattr(config, engine_or_executor)}); add {flag} or drop it")
+
+
+def _check_master_weights(config) -> None:
+    """--master-weights none on an engine that keeps it (esft.engines.registry: master_free)."""
+    if config.master_weights == "none" and not ENGINES[config.engine].master_free:
+        free = ", ".join(name for name, spec in ENGINES.items() if spec.master_free)
+        raise ConfigError("master_weights", f"--engine {config.engine} keeps a float32 master of the weights; "
+                          f"--master-weights none needs --engine {free} (or leave it at auto)")
 
 
 def _check_lora(config) -> None:
