@@ -1,9 +1,9 @@
 """How much of an ES update survives in bfloat16 weights without a float32 master (issue 64, item 1).
 
 On real matrices (a model folder's safetensors, e.g. SmolLM2 from `esft prepare-model smollm2-135m-instruct`;
-default: random Llama-shaped matrices with std 0.02) in bfloat16, it applies T seeded ES updates G_t = Σᵢ cᵢεᵢ
-(esft's own noise and update code: esft.es.lowrank / esft.es.noise), with coefficients α/N·zᵢ (zᵢ standard
-normal, as z-scores are), and compares four ways of keeping the weights:
+default: random Llama-shaped matrices with std 0.15, about the size of SmolLM2's weights) in bfloat16, it applies
+T seeded ES updates G_t = Σᵢ cᵢεᵢ (esft's own noise and update code: esft.es.lowrank / esft.es.noise), with
+coefficients α/N·zᵢ (zᵢ standard normal, as z-scores are), and compares four ways of keeping the weights:
 
   master      float32 master m += G, weights = m rounded to nearest (what esft does with --master-weights float32)
   nearest     θ ← round_nearest(θ + G) (the reference code's in-place bf16 update)
@@ -44,7 +44,7 @@ def matrices(model: str | None, pattern: str, limit: int) -> dict[str, torch.Ten
     if model is None:
         generator = torch.Generator().manual_seed(0)
         shapes = [(576, 576), (192, 576), (1536, 576), (576, 1536)] * 2
-        return {f"random.{i}": (torch.randn(shape, generator=generator) * 0.02).bfloat16()
+        return {f"random.{i}": (torch.randn(shape, generator=generator) * 0.15).bfloat16()
                 for i, shape in enumerate(shapes[:limit])}
     from safetensors.torch import load_file
 

@@ -283,3 +283,26 @@ def test_randopt_benchmark_reads_every_k_from_one_population(tmp_path):
     assert {"randopt-K1", "randopt-K5", "randopt-K10", "randopt-corp", "corp_accepted"} <= set(seed)
     assert seed["completions"] == 10 * 2 + 2 * 2  # members x validation rows, and the gate's two scorings
     assert "RandOpt, vote of K = 10" in out.with_suffix(".md").read_text()
+
+
+def test_rounding_benchmark_measures_what_each_scheme_keeps(tmp_path):
+    """benchmarks/rounding.py on random matrices: the master and error feedback keep the recipe's steps; stochastic
+    rounding keeps them on average; rounding to nearest loses most of the paper's smaller ones."""
+    out = tmp_path / "rounding.json"
+    proc = _run("rounding.py", "--limit", "2", "--steps", "4", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    recipe, paper = result["recipe"]["4"], result["paper"]["4"]
+    assert recipe["master"]["cos"] > 0.99 and abs(recipe["feedback"]["error"] - recipe["master"]["error"]) < 0.01
+    assert abs(recipe["stochastic"]["survived"] - 1) < 0.01 and abs(paper["stochastic"]["survived"] - 1) < 0.05
+    assert paper["nearest"]["survived"] < 0.6 < paper["stochastic"]["survived"]
+
+
+def test_master_memory_benchmark_reports_each_mode_in_its_own_process():
+    proc = _run("master_memory.py", "--dtypes", "bfloat16", "--modes", "inference,none", "--members", "2",
+                "--prompts", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [row["master_weights"] for row in rows] == ["inference", "none"]
+    assert all(row["iteration_mib"] >= row["loaded_mib"] > 100 for row in rows)
+    assert rows[0]["survival"] is None and 0.5 < rows[1]["survival"] < 1.5
