@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from esft.engines.lora import lora_engine
+from esft.engines.master_weights import built_with
 from esft.settings.config import ConfigError
 from esft.settings.rules import is_adapter_dir
 
@@ -15,19 +16,14 @@ def load_transformers(args, path: str, options: dict[str, Any]):
 
     return (lora_engine(args, path, None, options)
             or TransformersEngine.from_pretrained(path, dtype=args.dtype, device=args.device, rank=args.rank,
-                                                  master_weights=master_weights(args), **options))
+                                                  master_weights=built_with(args), **options))
 
 
 def wrap_transformers(args, model, tokenizer, options: dict[str, Any]):
     from esft.engines.transformers_engine import TransformersEngine
 
     return lora_engine(args, model, tokenizer, options) or TransformersEngine(
-        model, tokenizer, rank=args.rank, master_weights=master_weights(args), **options)
-
-
-def master_weights(args) -> str:
-    """--master-weights as build_engine resolved it (auto: float32, for a loader called on its own)."""
-    return "float32" if args.master_weights == "auto" else args.master_weights
+        model, tokenizer, rank=args.rank, master_weights=built_with(args), **options)
 
 
 def load_vllm(args, path: str, options: dict[str, Any]):

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from esft.files import SETTINGS_LIMIT, read_regular_text
+from esft.engines.master_weights import built_with
 from esft.engines.settings import EngineSettings
 from esft.settings.config import EMBEDDED_MODEL, ConfigError, embedded_model_path, model_path, split_list
 from esft.settings.rules import is_adapter_dir
@@ -106,7 +107,7 @@ def lora_engine(args: EngineSettings, model: Any, tokenizer: Any, options: dict[
     names = adapter_tensor_names(peft_model, args.trainable)
     pattern = "^(?:" + "|".join(re.escape(name) for name in names) + ")$"
     engine = TransformersEngine(peft_model, tokenizer, rank=args.rank, **{**options, "trainable": pattern},
-                                master_weights="none" if args.master_weights == "none" else "float32")
+                                master_weights=built_with(args))
     if engine.noise not in LOW_RANK_SCHEMES:  # --population-batching: each member's own adapter noise on its rows
         from esft.engines.adapter_population import AdapterPopulation
 

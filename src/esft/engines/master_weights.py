@@ -17,6 +17,12 @@ from typing import Any
 from esft.engines.registry import engine_spec
 
 
+def built_with(settings) -> str:
+    """--master-weights as an engine is built with it: as resolved, or float32 for a loader called on its own with
+    auto still in its settings (as before --master-weights)."""
+    return "float32" if settings.master_weights == "auto" else settings.master_weights
+
+
 def resolve_master_weights(settings, path: str | None = None, model: Any = None) -> tuple[Any, str | None]:
     """(`settings` with master_weights auto resolved, the line saying why when memory chose none). `path`: the model
     folder (where its size is read from), `model`: a model loaded in this process (its dtype is the weights')."""
