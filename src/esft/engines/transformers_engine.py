@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from esft.es import lowrank
-from esft.engines.decoding import decode_greedy
+from esft.engines.decoding import contiguous_head_input, decode_greedy
 from esft.engines.base import (
     Generation,
     NoTrainableParameters,
@@ -400,7 +400,9 @@ class TransformersEngine:
                 yield decode_greedy(self.model, ids, mask, self.max_tokens, self.eos_token_ids, self.min_new_tokens,
                                     on_rows=None if on_rows is None else lambda active, n=len(ids) // copies: on_rows(active, n))
             else:
-                yield self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, prompt_length:].tolist()
+                with contiguous_head_input(self.model):  # as decode_greedy: the head's product once, not per row
+                    rows = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                yield rows[:, prompt_length:].tolist()
 
     def prompts_per_call(self, prompts: int, copies: int = 1, mini_batch_size: int | str | None = None,
                          prompt_length: int = 0) -> int:
