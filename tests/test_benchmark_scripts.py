@@ -306,3 +306,24 @@ def test_master_memory_benchmark_reports_each_mode_in_its_own_process():
     assert [row["master_weights"] for row in rows] == ["inference", "none"]
     assert all(row["iteration_mib"] >= row["loaded_mib"] > 100 for row in rows)
     assert rows[0]["survival"] is None and 0.5 < rows[1]["survival"] < 1.5
+
+
+def test_memory_scale_benchmark_measures_each_method_in_a_watched_child(tmp_path):
+    """benchmarks/memory_scale.py on its tiny Llama shape: each method's child reports its peak and seconds, ES and
+    GRPO train every parameter; under a limit below what a child needs, the row is a measured "does not fit"."""
+    out = tmp_path / "scale.json"
+    proc = _run("memory_scale.py", "--shapes", "tiny", "--methods", "generate,es-full,grpo-full", "--threads", "1",
+                "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {row["method"]: row for row in json.loads(out.read_text())}
+    assert all(row["fits"] and row["peak_mib"] >= row["built_mib"] > 100 and row["seconds"] > 0 for row in rows.values())
+    parameters = rows["generate"]["parameters"]
+    assert rows["es-full"]["trained"] == rows["grpo-full"]["trained"] == parameters > 100_000
+    assert rows["grpo-full"]["peak_mib"] > rows["es-full"]["peak_mib"]  # gradients and AdamW's state
+    assert "| tiny | 0M | es-full | fits |" in proc.stdout
+    proc = _run("memory_scale.py", "--shapes", "tiny", "--methods", "generate", "--limit-gb", "0.2", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [row] = json.loads(out.read_text())
+    assert not row["fits"] and row["verdict"] == "does not fit: passed 0.2 GiB" and row["peak_mib"] > 0.2 * 1024
+    proc = _run("memory_scale.py", "--shapes", "13b")
+    assert proc.returncode == 2 and "unknown shape '13b'" in proc.stderr

@@ -67,16 +67,16 @@ class LowRankPopulation(MemberRows):
         perturbed = {id(param): (index, name, param) for index, name, param in engine.trainable
                      if perturbs(engine.noise, param.shape)}
         conv1d = _conv1d_type()
-        factors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         used: set[int] = set()
         for module_name, module in model.named_modules():
             weight = getattr(module, "weight", None)
             if not isinstance(weight, torch.Tensor) or id(weight) not in perturbed:
                 continue
             index, name, param = perturbed[id(weight)]
-            if index not in factors:
-                factors[index] = stacked_factors(member_seeds, index, param.shape, engine.rank, engine.device, engine._generator)
-            a, b = factors[index]  # (N, shape[0], r), (N, shape[1], r)
+            # (N, shape[0], r), (N, shape[1], r) in float32, generated for each module (a tied weight twice, the
+            # same values): the plan keeps them in the model's dtype only, so its memory per member is r·(in+out)
+            # in that dtype, not that and a float32 copy besides
+            a, b = stacked_factors(member_seeds, index, param.shape, engine.rank, engine.device, engine._generator)
             if isinstance(module, nn.Linear):  # W: out × in -> x·B, then ·(σ/√r)·Aᵀ
                 self._plan.append((module, "matmul", b.to(dtype), standard_strides((a * scale).transpose(1, 2).to(dtype))))
             elif conv1d is not None and isinstance(module, conv1d):  # W: in × out -> x·A, then ·(σ/√r)·Bᵀ
