@@ -35,8 +35,8 @@ def command(model: str, mode: str, seed: int, runs: Path, iterations: int | None
     argv = ["esft", "train", "--config", str(RECIPE), "--model", model, "--dtype", "bfloat16", "--master-weights", mode,
             "--seed", str(seed), "--output-dir", str(runs), "--run-name", name, "--logging", "none", "--no-progress",
             "--mini-batch-size", "8", "--eval-batch-size", "32"]
-    # memory only (the same completions): bfloat16 generation here takes ~55 MB per row (float32: ~7), and two runs
-    # of 128-row calls side by side overran this machine's 24 GB
+    # memory only (the same completions): seeds 0-2 were measured so, when bfloat16 generation took ~55 MB per row
+    # here (before esft.engines.decoding.contiguous_head_input) and two runs of 128-row calls overran 24 GB
     if iterations is not None:
         argv += ["--iterations", str(iterations)]
     return argv, runs / name
