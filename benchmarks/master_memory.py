@@ -22,9 +22,8 @@ import json
 import subprocess
 import sys
 
-CHILD = r"""
-import gc, json, sys, torch
-torch.set_num_threads(1)
+PEAK_HELPERS = r"""
+import gc
 
 
 def status(key):
@@ -36,6 +35,12 @@ def reset_peak():
     gc.collect()
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5")
+"""
+"""A child's own memory in MiB (status("VmRSS"), status("VmHWM")) and reset_peak(): the start of a child's script."""
+
+CHILD = PEAK_HELPERS + r"""
+import json, sys, torch
+torch.set_num_threads(1)
 
 
 model, dtype, mode, members, prompts = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])

@@ -34,6 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from master_memory import PEAK_HELPERS  # noqa: E402  (a child's status() and reset_peak())
+
 # Llama widths of each shape: hidden, MLP, layers, heads, key-value heads, vocabulary, tied embeddings
 SHAPES = {
     "tiny": (64, 128, 2, 4, 2, 512, True),
@@ -47,8 +50,8 @@ METHODS = ("generate", "es-full", "es-lora", "grpo-full", "grpo-lora")
 PROMPT_TOKENS, NEW_TOKENS, LORA_R = 32, 16, 16
 REPORT = "memory_scale: "  # the prefix of the child's report lines (TRL prints dicts of its own)
 
-CHILD = f"REPORT = {REPORT!r}\n" + r"""
-import gc, json, sys, tempfile, time, warnings
+CHILD = PEAK_HELPERS + f"REPORT = {REPORT!r}\n" + r"""
+import json, sys, tempfile, time, warnings
 import torch
 
 shape, method, members, prompts, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
@@ -56,17 +59,6 @@ hidden, mlp, layers, heads, kv_heads, vocab, tied = json.loads(sys.argv[6])
 prompt_tokens, new_tokens, lora_r = int(sys.argv[7]), int(sys.argv[8]), int(sys.argv[9])
 torch.set_num_threads(threads)
 warnings.filterwarnings("ignore")
-
-
-def status(key):
-    with open("/proc/self/status") as handle:
-        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith(key + ":"))
-
-
-def reset_peak():
-    gc.collect()
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
 
 
 def tell(**fields):
