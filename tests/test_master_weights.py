@@ -165,3 +165,64 @@ def test_population_batching_without_a_master_writes_what_one_member_at_a_time_w
         subject.restore()
     assert subject.checksum() == start
     assert len({tuple(map(tuple, g.token_ids)) for g in batched}) > 1  # members really differ
+
+
+def test_row_blocks_change_memory_only_in_a_bfloat16_run_without_a_master(lively_model_dir, monkeypatch):
+    """Low-rank noise on bfloat16 weights without a master is added, taken away and updated a block of rows at a time
+    (no float32 copy of a whole matrix): blocks of two rows give the perturbed weights, the exact restore, the update
+    of one block per matrix, bit for bit."""
+    from esft.es import lowrank
+
+    def run() -> list:
+        subject, seen = engine(lively_model_dir, "bfloat16", "lowrank", "none"), []
+        for iteration in range(2):
+            for seed in (10 * iteration + 1, -(10 * iteration + 1)):
+                before = subject.checksum()
+                subject.perturb(seed, 0.05)
+                seen.append([param.detach().clone() for _, _, param in subject.trainable])
+                subject.restore()
+                assert subject.checksum() == before  # every bit back
+            subject.update([10 * iteration + 1, -(10 * iteration + 1)], [0.01, -0.005])
+            seen.append((subject.checksum(), subject.last_update_survival))
+        return seen
+
+    whole = run()
+    widest = max(param.shape[-1] for _, _, param in engine(lively_model_dir, "bfloat16", "lowrank", "none").trainable)
+    monkeypatch.setattr(lowrank, "ROW_BLOCK", 2 * widest)
+    assert len(lowrank.row_blocks((64, widest))) == 32
+    blocked = run()
+    for one, other in zip(whole, blocked):
+        if isinstance(one, tuple):  # the same weights; survival summed block by block, in another order
+            assert one[0] == other[0] and one[1] == pytest.approx(other[1], rel=1e-9)
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(one, other))
+    assert whole[-1][1] is not None and whole[-1][0] != whole[2][0]  # rounded updates that moved the weights
+
+
+def test_without_a_master_the_check_perturbs_groups_of_matrices_and_still_finds_a_use_outside_its_module(
+        tmp_path, monkeypatch):
+    """Without a master, population batching's check perturbs a large model's matrices in place a group at a time
+    (what restoring keeps is a group's share): GPT-2 in bfloat16 in several groups passes once its broadcast position
+    embedding is excluded and is refused with it, and the check leaves every weight as it was."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import esft.engines.population as population
+    from esft.engines.member_rows import PopulationBatchingError
+    from tiny_model import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                        bos_token_id=tokenizer.eos_token_id, initializer_range=0.3)
+    GPT2LMHeadModel(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    monkeypatch.setattr(population, "CHECK_GROUP_BYTES", 1)  # this 0.1 MB model in CHECK_GROUPS groups
+    subject = engine(tmp_path, "bfloat16", "lowrank", "none", trainable=r"^(?!transformer\.wpe)")
+    assert len(population._check_groups(subject)) == population.CHECK_GROUPS
+    start, trainable = subject.checksum(), subject.trainable
+    population.check_population_batching(subject)
+    assert subject.checksum() == start and subject.trainable is trainable
+    with pytest.raises(PopulationBatchingError):  # its wpe is one row for the whole batch
+        population.check_population_batching(engine(tmp_path, "bfloat16", "lowrank", "none"))
+    assert len(population._check_groups(engine(tmp_path, "bfloat16", "lowrank", "float32"))) == 1  # a master: one

@@ -310,7 +310,8 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     a few percent: there a missed use of a minor matrix can pass unnoticed). In bfloat16/float16 a
     failure is measured again at 0.1 × RMS: at 0.3 a deep model's perturbed forward is chaotic and the
     two paths' different rounding grows to the size of the effect itself (SmolLM2-135M, 30 layers:
-    error/effect 1.13 at 0.3, 0.06 at 0.1), while a missed use scales with σ as the effect does."""
+    error/effect 1.13 at 0.3, 0.06 at 0.1), while a missed use scales with σ as the effect does.
+    Without a master a large model's matrices are checked in groups (`_check_groups`)."""
     if getattr(engine, _CHECKED, False):
         return
     if (reason := _lacks_model(engine)) is not None:
@@ -319,21 +320,57 @@ def check_population_batching(engine, seeds: Sequence[int] = (11, 12)) -> None:
     matrices = [engine.master[name] for _, name, param in engine.trainable if perturbs(engine.noise, param.shape)]
     if not matrices:
         raise PopulationBatchingError(f"no trainable matrix: {engine.noise} noise perturbs matrices only")
-    rms = float(torch.stack([m.float().pow(2).mean().sqrt() for m in matrices]).mean())
+    # in the weights' dtype: with dtype=float32 torch makes a float32 copy of each matrix first (SmolLM2 in bfloat16:
+    # +250 MB resident for the rest of the run), and a rounded RMS is all that σ needs
+    rms = float(torch.stack([torch.linalg.vector_norm(m).float() / math.sqrt(m.numel()) for m in matrices]).mean())
     float32 = next(model.parameters()).dtype == torch.float32
     tolerance = 1e-3 if float32 else 0.15
-    for scale in (0.3,) if float32 else (0.3, 0.1):
-        error, effect = _batched_against_sequential(engine, seeds, scale * rms if rms > 0 else scale)  # all-zero: a fresh LoRA B
-        if error <= tolerance * max(effect, 1e-6):
-            break
-    else:
-        raise PopulationBatchingError(
-            f"batched logits differ from the sequential path's by {error:.3g} (perturbation effect {effect:.3g}): "
-            "this model uses a perturbed tensor outside the module that owns it (for low-rank noise: outside "
-            "nn.Linear/nn.Embedding/Conv1D) or lays out its batch differently; evaluate members one at a time "
-            "(no --population-batching)"
-        )
+    whole = engine.trainable
+    try:
+        for group in _check_groups(engine):
+            engine.trainable = group  # what perturb, restore and the population hooks perturb, for this group
+            for scale in (0.3,) if float32 else (0.3, 0.1):
+                error, effect = _batched_against_sequential(engine, seeds, scale * rms if rms > 0 else scale)  # all-zero: a fresh LoRA B
+                if error <= tolerance * max(effect, 1e-6):
+                    break
+            else:
+                raise PopulationBatchingError(
+                    f"batched logits differ from the sequential path's by {error:.3g} (perturbation effect {effect:.3g}): "
+                    "this model uses a perturbed tensor outside the module that owns it (for low-rank noise: outside "
+                    "nn.Linear/nn.Embedding/Conv1D) or lays out its batch differently; evaluate members one at a time "
+                    "(no --population-batching)"
+                )
+    finally:
+        engine.trainable = whole
     setattr(engine, _CHECKED, True)
+
+
+CHECK_GROUPS = 8
+"""Without a master, the check perturbs a model's matrices in place in this many groups, one after the other
+(`_check_groups`) ..."""
+CHECK_GROUP_BYTES = 32 << 20
+"""... of at least this many bytes of weights each (a smaller model is checked in one group)."""
+
+
+def _check_groups(engine) -> list[list]:
+    """The trainable tensors in the groups the check perturbs one after the other: all at once, except without a
+    master (--master-weights none), where restoring an in-place perturbation keeps the elements that θ − σ·ε would
+    not give back (esft.engines.transformers_engine; at the check's σ, 0.3 × RMS, about 15% of them in bfloat16, 10
+    bytes each: 0.75× the weights' own memory). There the perturbed matrices, in the model's order, are split into
+    up to CHECK_GROUPS groups of about equal bytes, so what is kept is a group's share. A missed use of a matrix
+    outside its module shows in its group's logits as it would among all of them."""
+    if getattr(engine, "master_weights", None) != "none":
+        return [engine.trainable]
+    perturbed_tensors = [entry for entry in engine.trainable if perturbs(engine.noise, entry[2].shape)]
+    nbytes = [param.numel() * param.element_size() for _, _, param in perturbed_tensors]
+    count = max(1, min(CHECK_GROUPS, sum(nbytes) // CHECK_GROUP_BYTES))
+    groups, done = [[]], 0
+    for entry, size in zip(perturbed_tensors, nbytes):
+        if groups[-1] and done >= len(groups) * sum(nbytes) / count:  # this group has its share: start the next
+            groups.append([])
+        groups[-1].append(entry)
+        done += size
+    return groups
 
 
 def _batched_against_sequential(engine, seeds: Sequence[int], sigma: float) -> tuple[float, float]:

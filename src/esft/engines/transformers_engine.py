@@ -8,13 +8,15 @@ in float32 on the master, so small steps are not rounded away in low-precision m
 With `none` the weights are their own master: no copy is kept. A member's weights are computed as above (the
 same numbers), and restoring computes θ − σ·ε back, rounded to the weights' dtype, and puts back the few elements
 where that differs from what was there (`_Perturbation`: kept from the perturb, a few percent of the elements at
-σ 1e-2 in bfloat16, fewer at smaller σ); updates land through esft.es.update's path without a master (float32
+σ 1e-2 in bfloat16, fewer at smaller σ; low-rank noise on low-precision weights is added and taken away a block of
+rows at a time, so no float32 copy of a whole matrix is made); updates land through esft.es.update's path without a master (float32
 weights: the master's numbers bit for bit; bfloat16/float16: seeded stochastic rounding). Population batching
 never writes the weights, so it needs neither.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,7 +38,7 @@ from esft.engines.base import (
     resolve_device,
     torch_dtype,
 )
-from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, perturbs
+from esft.es.noise import LOW_RANK_SCHEMES, draw_noise, lowrank_factors, perturbs
 from esft.es.optimizers import ESOptimizer
 from esft.es.update import Piece, UpdateRule, UpdateTensor, apply_update
 from esft.engines.registry import MASTER_WEIGHTS
@@ -44,12 +46,13 @@ from esft.engines.registry import MASTER_WEIGHTS
 
 @dataclass
 class _Perturbation:
-    """A member's perturbation held by weights without a master: its seed and σ, and per tensor the flat indices
-    and original values of the elements θ − σ·ε would not give back exactly."""
+    """A member's perturbation held by weights without a master: its seed and σ, and per tensor the original values
+    of the elements θ − σ·ε would not give back exactly, as parts (start, indices from start, values): one per
+    block of rows (int32 indices within it), or one for the whole tensor."""
 
     member_seed: int
     sigma: float
-    fixes: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    fixes: dict[str, list[tuple[int, torch.Tensor, torch.Tensor]]]
 
 
 class TransformersEngine:
@@ -187,15 +190,47 @@ class TransformersEngine:
         for index, name, param in self.trainable:
             if not perturbs(self.noise, param.shape):
                 continue
+            if self._by_row_blocks(param):
+                fixes[name] = self._shift_rows(index, param, member_seed, sigma, keep=True)
+                continue
             member = torch.empty(param.shape, dtype=torch.float32, device=self.device)
             self.perturbed_into(index, name, member_seed, sigma, member)
             member = member.to(param.dtype)
             back = self._minus_noise(index, name, member_seed, sigma, member)
             wrong = (back != param).view(-1).nonzero().squeeze(1)
-            fixes[name] = (wrong, param.view(-1)[wrong].clone())
+            fixes[name] = [(0, wrong, param.view(-1)[wrong].clone())]
             param.copy_(member)
             del member, back
         self._perturbation = _Perturbation(member_seed, sigma, fixes)
+
+    def _by_row_blocks(self, param: torch.Tensor) -> bool:
+        """Low-rank noise on low-precision weights without a master is added and taken away a block of rows at a
+        time (`_shift_rows`): no float32 copy of a whole matrix (a 3B Llama's embedding: 1.6 GB) is ever made."""
+        return self.noise in LOW_RANK_SCHEMES and param.dtype != torch.float32
+
+    def _shift_rows(self, index: int, param: torch.Tensor, member_seed: int, sigma: float,
+                    keep: bool) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """param ← param + σ·A·Bᵀ/√r (rounded to its dtype), block of rows by block (esft.es.lowrank.row_blocks);
+        keep: the parts (`_Perturbation.fixes`) of the elements that the same shift by −σ would not give back."""
+        a, b = lowrank_factors(member_seed, index, param.shape, self.rank, self.device, self._generator)
+        scale = sigma / math.sqrt(self.rank)
+        blocks = lowrank.row_blocks(param.shape)
+        # the same few buffers for every block (the noise scratch's first pages, two blocks in param's dtype): blocks
+        # allocated anew would leave the allocator's heap holding many of them between the parts kept
+        size = (blocks[0].stop - blocks[0].start) * param.shape[1]
+        exact, moved, back = self._noise_buffer[:size], param.new_empty(size), param.new_empty(size)
+        parts = []
+        for rows in blocks:
+            block = param[rows]
+            count = block.numel()
+            work = exact[:count].view(block.shape).copy_(block).addmm_(a[rows], b.T, alpha=scale)
+            moved_block = moved[:count].view(block.shape).copy_(work)
+            if keep:
+                work.copy_(moved_block).addmm_(a[rows], b.T, alpha=-scale)
+                wrong = torch.ne(back[:count].view(block.shape).copy_(work), block).view(-1).nonzero().squeeze(1)
+                parts.append((rows.start * param.shape[1], wrong.to(torch.int32), block.view(-1)[wrong].clone()))
+            block.copy_(moved_block)
+        return parts
 
     def _minus_noise(self, index: int, name: str, member_seed: int, sigma: float, weights: torch.Tensor) -> torch.Tensor:
         """weights − σ·ε(member_seed) of tensor `index`, computed in float32 and rounded to weights' dtype."""
@@ -239,11 +274,14 @@ class TransformersEngine:
         if perturbation is None:
             return  # the weights are the master: nothing was done to them
         for index, name, param in self.trainable:
-            if name in perturbation.fixes:
-                back = self._minus_noise(index, name, perturbation.member_seed, perturbation.sigma, param)
-                where, values = perturbation.fixes[name]
-                back.view(-1)[where] = values
-                param.copy_(back)
+            if name not in perturbation.fixes:
+                continue
+            if self._by_row_blocks(param):
+                self._shift_rows(index, param, perturbation.member_seed, -perturbation.sigma, keep=False)
+            else:
+                param.copy_(self._minus_noise(index, name, perturbation.member_seed, perturbation.sigma, param))
+            for start, where, values in perturbation.fixes[name]:
+                param.view(-1)[start:][where] = values
 
     @torch.no_grad()
     def update(self, member_seeds: Sequence[int], coefficients: Sequence[float], learning_rate: float = 1.0) -> None:

@@ -30,6 +30,18 @@ def perturbed_matrix(
     return torch.addmm(master, a, b.T, alpha=sigma / math.sqrt(rank), out=out)
 
 
+ROW_BLOCK = 1 << 20
+"""Elements computed at once where a low-precision matrix is perturbed or updated without a float32 master
+(`row_blocks`): a few MB of float32 at a time, whatever the matrix (a 3B Llama's embedding is 1.6 GB in float32)."""
+
+
+def row_blocks(shape: torch.Size | tuple[int, ...]) -> list[slice]:
+    """Consecutive blocks of a matrix's rows, about ROW_BLOCK elements each (at least one row)."""
+    rows, cols = shape
+    step = max(1, ROW_BLOCK // max(cols, 1))
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
+
+
 def accumulate_update(
     master: torch.Tensor,
     tensor_index: int,
@@ -39,7 +51,7 @@ def accumulate_update(
     generator: torch.Generator | None = None,
 ) -> None:
     """master += Σᵢ coefficients[i]·Aᵢ·Bᵢᵀ/√rank, as one float32 matmul with inner dimension N·rank."""
-    left, right = _concatenated_factors(master.shape, master.device, tensor_index, member_seeds, coefficients, rank,
+    left, right = concatenated_factors(master.shape, master.device, tensor_index, member_seeds, coefficients, rank,
                                         generator)
     master.addmm_(left, right.T)
 
@@ -54,11 +66,11 @@ def dense_update(
 ) -> torch.Tensor:
     """out ← Σᵢ coefficients[i]·Aᵢ·Bᵢᵀ/√rank (the dense G of one matrix, for an optimizer that needs
     it: esft.es.optimizers), the same one matmul as accumulate_update, into a float32 scratch."""
-    left, right = _concatenated_factors(out.shape, out.device, tensor_index, member_seeds, coefficients, rank, generator)
+    left, right = concatenated_factors(out.shape, out.device, tensor_index, member_seeds, coefficients, rank, generator)
     return torch.mm(left, right.T, out=out)
 
 
-def _concatenated_factors(shape, device, tensor_index, member_seeds, coefficients, rank, generator):
+def concatenated_factors(shape, device, tensor_index, member_seeds, coefficients, rank, generator):
     """[c₁A₁/√r … c_NA_N/√r] and [B₁ … B_N]: G = left·rightᵀ."""
     count = len(member_seeds)
     if count != len(coefficients):

@@ -20,7 +20,8 @@ offending tensors are returned. The engine then writes its live weights from the
 does itself: in place, on a GPU, as vLLM repacks).
 
 Without a master (--master-weights none: `Piece.own_weights`) the piece is the live weights themselves, in their
-own dtype. Tensor by tensor, the step is taken on a float32 copy of them, by the same arithmetic as on a master
+own dtype. Tensor by tensor (a low-precision matrix under low-rank noise and sgd: block of rows by block), the step
+is taken on a float32 copy of them, by the same arithmetic as on a master
 (a float32 model's weights come out bit for bit as a master's would), checked, and written back: float32 as it
 is, bfloat16/float16 by seeded stochastic rounding (esft.es.rounding), which also measures how much of the step
 survived (`UpdateResult.survival`). A tensor that would not be finite is left as it was and the update stops
@@ -180,37 +181,50 @@ CHUNK = 1 << 20
 def _step_own_weights(tensor: UpdateTensor, member_seeds, coefficients, rule: UpdateRule, learning_rate: float,
                       result: UpdateResult) -> bool:
     """One tensor without a master (module docstring): its step on a float32 copy of the weights, then written
-    back; False (and the tensor named in result.bad, its weights as they were) when the step would not be finite."""
+    back; False (and the tensor named in result.bad, its weights as they were) when the step would not be finite.
+    A low-precision matrix under the paper's rule (low-rank noise, sgd) is stepped a block of rows at a time
+    (esft.es.lowrank.row_blocks): its float32 copy is never made whole, and every block is checked before any is
+    written, so each block's step is computed twice (a matmul of inner dimension N·r: cheap beside generation)."""
     (piece,) = tensor.pieces  # a vLLM worker's pieces keep a master: only whole tensors come here
     weights = piece.master
-    work = weights.to(torch.float32, copy=True)
-    _step(UpdateTensor(tensor.index, tensor.shape, [Piece(piece.key, work, piece.name)]), member_seeds, coefficients,
-          rule, learning_rate)
-    low, high = torch.aminmax(work)
+    if weights.dtype != torch.float32 and rule.noise in LOW_RANK_SCHEMES and rule.optimizer.plain:
+        left, right = lowrank.concatenated_factors(weights.shape, weights.device, tensor.index, member_seeds,
+                                                   coefficients, rule.rank, rule.generator)
+        blocks = [(rows, lambda rows=rows: weights[rows].float().addmm_(left[rows], right.T))
+                  for rows in lowrank.row_blocks(weights.shape)]
+    else:
+        work = weights.to(torch.float32, copy=True)
+        _step(UpdateTensor(tensor.index, tensor.shape, [Piece(piece.key, work, piece.name)]), member_seeds,
+              coefficients, rule, learning_rate)
+        blocks = [(slice(None), lambda: work)]
     largest = torch.finfo(weights.dtype).max
-    if not (math.isfinite(float(low)) and math.isfinite(float(high)) and -largest <= float(low)
-            and float(high) <= largest):
-        result.bad = [piece.name]
-        return False
+    for _, stepped in blocks:
+        low, high = torch.aminmax(stepped())
+        if not (math.isfinite(float(low)) and math.isfinite(float(high)) and -largest <= float(low)
+                and float(high) <= largest):
+            result.bad = [piece.name]
+            return False
     if weights.dtype == torch.float32:  # the master's own arithmetic and sums: its ratio, bit for bit
         result.moved_sq += float((weights - work).square().sum(dtype=torch.float64))
         result.weights_sq += float(work.square().sum(dtype=torch.float64))
         weights.copy_(work)
         result.stepped += 1
         return True
+    # one stream of uniforms over the tensor's elements in order (its draws do not depend on the blocks' sizes)
     generator = rule.generator.manual_seed(rounding_seed(member_seeds, tensor.index))
-    uniforms = rule.scratch[: min(CHUNK, work.numel())]
-    flat_work, flat_weights = work.view(-1), weights.view(-1)
-    for start in range(0, work.numel(), CHUNK):
-        new, old = flat_work[start : start + CHUNK], flat_weights[start : start + CHUNK]
-        step = new - old.float()
-        written = old.float().neg_()
-        round_stochastically(new, old, generator, uniforms[: new.numel()])
-        written.add_(old.float())  # round(new) − old
-        result.moved_sq += float(written.square().sum(dtype=torch.float64))
-        result.weights_sq += float(old.float().square().sum(dtype=torch.float64))
-        result.kept_dot += float((written * step).sum(dtype=torch.float64))
-        result.rounded_sq += float(step.square().sum(dtype=torch.float64))
+    uniforms = rule.scratch[: min(CHUNK, weights.numel())]
+    for rows, stepped in blocks:
+        flat_work, flat_weights = stepped().view(-1), weights[rows].view(-1)
+        for start in range(0, flat_work.numel(), CHUNK):
+            new, old = flat_work[start : start + CHUNK], flat_weights[start : start + CHUNK]
+            step = new - old.float()
+            written = old.float().neg_()
+            round_stochastically(new, old, generator, uniforms[: new.numel()])
+            written.add_(old.float())  # round(new) − old
+            result.moved_sq += float(written.square().sum(dtype=torch.float64))
+            result.weights_sq += float(old.float().square().sum(dtype=torch.float64))
+            result.kept_dot += float((written * step).sum(dtype=torch.float64))
+            result.rounded_sq += float(step.square().sum(dtype=torch.float64))
     result.stepped += 1
     return True
 
