@@ -254,7 +254,8 @@ def test_a_model_folder_that_cannot_be_fine_tuned_is_one_line_before_it_loads(ca
 
 def test_memory_needed_is_counted_from_the_headers_with_the_flags_that_make_it_fit(tmp_path):
     """A 7B Llama shape (a sparse file: nothing is written): bfloat16 weights 12.6 GiB, a float32 master 25.1 GiB;
-    without the master (--master-weights none) the weights and three float32 scratch tensors of the largest one."""
+    without the master (--master-weights none) the weights and three float32 scratch tensors of the largest one (none
+    under low-rank noise)."""
     from esft.models.footprint import GIB, ModelFolderProblem, check_model_folder, folder_weights
 
     folder = build_sparse_model(tmp_path / "7b", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
@@ -279,6 +280,12 @@ def test_memory_needed_is_counted_from_the_headers_with_the_flags_that_make_it_f
     # --trainable: the master holds only what it matches (the MLPs: 4.33 billion of the 6.74)
     check_model_folder(folder, "bfloat16", r"mlp\.", False, "cpu", available=30 * GIB)
     check_model_folder(folder, "bfloat16", None, False, "cpu", available=15 * GIB, master=False)
+    # low-rank noise on bfloat16 weights without a master: perturbed and updated a block of rows at a time, no scratch
+    with pytest.raises(ModelFolderProblem, match="needs about 14.0 GiB"):
+        check_model_folder(folder, "bfloat16", None, False, "cpu", available=13 * GIB, master=False)
+    check_model_folder(folder, "bfloat16", None, False, "cpu", available=13 * GIB, master=False, noise="lowrank")
+    with pytest.raises(ModelFolderProblem, match="needs about 12.6 GiB"):
+        check_model_folder(folder, "bfloat16", None, False, "cpu", available=12 * GIB, master=False, noise="lowrank")
     check_model_folder(folder, "bfloat16", None, False, "cuda")  # a GPU: the engine's own sizing, not counted here
 
 

@@ -89,7 +89,7 @@ def check_folder(args: EngineSettings, path: str) -> None:
         return
     try:
         check_model_folder(Path(path), args.dtype, args.trainable, args.uses_lora(), resolve_device(args.device).type,
-                           master=args.master_weights != "none")
+                           master=args.master_weights != "none", noise=args.noise)
     except ModelFolderProblem as error:
         raise ConfigError("model", str(error)) from None
 

@@ -194,15 +194,19 @@ def first_different_shape(folder: Path, weights: Weights) -> tuple[str, tuple, t
                  if name in described and described[name] != shape), None)
 
 
-def needed_bytes(weights: Weights, dtype: str, trainable: str | None, lora: bool, master: bool = True) -> int:
+def needed_bytes(weights: Weights, dtype: str, trainable: str | None, lora: bool, master: bool = True,
+                 noise: str = "iid") -> int:
     """The least memory the transformers engine holds for these weights: the weights in `dtype`, and (full-parameter
     ES) a float32 master of each trainable tensor (unless --master-weights none: `master` False) and float32 scratch
-    the size of the largest (without a master: its noise, its update and its rounding's, esft.es.rounding)."""
+    the size of the largest (without a master: its noise, its update and its rounding's, esft.es.rounding; none of
+    that under low-rank noise on bfloat16/float16 weights, perturbed and updated a block of rows at a time)."""
     total = weights.parameters * DTYPE_BYTES.get(dtype, 4)
     if lora:  # LoRA-ES: the master and the noise are the adapter's, a few MB
         return total
     trained, largest = weights.trainable(trainable)
-    return total + (4 * trained + 4 * largest if master else 3 * 4 * largest)
+    if master:
+        return total + 4 * trained + 4 * largest
+    return total + (0 if noise == "lowrank" and DTYPE_BYTES.get(dtype, 4) == 2 else 3 * 4 * largest)
 
 
 def master_fits(folder: Path, dtype: str, trainable: str | None, device: str) -> tuple[bool, str] | None:
@@ -259,7 +263,7 @@ def count(n: int) -> str:
 
 
 def check_model_folder(folder: Path, dtype: str, trainable: str | None, lora: bool, device: str,
-                       available: int | None = None, master: bool = True) -> None:
+                       available: int | None = None, master: bool = True, noise: str = "iid") -> None:
     """ModelFolderProblem (module docstring) for a local model folder that cannot be fine-tuned here; nothing for
     one that may be (or that is not a folder: a hub id, a GGUF file, checked elsewhere). `available`: the bytes
     free for it (default: available_bytes(device))."""
@@ -286,7 +290,7 @@ def check_model_folder(folder: Path, dtype: str, trainable: str | None, lora: bo
                                  f"{list(wanted)}: config and weights do not belong together; put back the model's own "
                                  "config.json")
     master = master and not lora
-    need = needed_bytes(weights, dtype, trainable, lora, master)
+    need = needed_bytes(weights, dtype, trainable, lora, master, noise)
     have = available_bytes(device) if available is None else available
     if have is None or need <= have:
         return
@@ -299,7 +303,7 @@ def check_model_folder(folder: Path, dtype: str, trainable: str | None, lora: bo
         smaller += [("--lora-r 16", dtype, True, False)]
         smaller += [("--lora-r 16 --dtype bfloat16", "bfloat16", True, False)] if wide else []
     fitting = next(((flags, n) for flags, d, lo, m in smaller
-                    if (n := needed_bytes(weights, d, trainable, lo, m)) <= have), None)
+                    if (n := needed_bytes(weights, d, trainable, lo, m, noise)) <= have), None)
     if fitting is not None:
         advice = f"{fitting[0]} would need about {gb(fitting[1])}"
     else:
