@@ -4,22 +4,24 @@ watched against a memory limit.
 
 Shapes (built in the child from a LlamaConfig, nothing downloaded; a word-level tokenizer of the shape's vocabulary
 is built in process too): 135m (SmolLM2-135M), 0.5b (Qwen2.5-0.5B's widths), 1.5b (Qwen2.5-1.5B's), 3b
-(Llama-3.2-3B), 7b (Llama-2-7B), and `tiny` for the tests. Every measurement runs P prompts of 32 tokens and 16 new
-tokens (EOS forbidden, so every method writes the same number of tokens):
+(Llama-3.2-3B), 7b (Llama-2-7B), 8b (Llama-3.1-8B), and `tiny` for the tests. Every measurement runs P prompts of 32
+tokens and 16 new tokens (EOS forbidden, so every method writes the same number of tokens):
 
   generate   plain batched greedy generation of N × P rows through transformers' generate: what serving costs
   es-full    one ES iteration of esft's transformers engine: low-rank noise (rank 4, σ 1e-3), population batching
-             (all N members in one generate call over the P prompts), --master-weights none, then the update
+             (all N members in one generate call over the P prompts; where its check refuses the model, the members
+             one at a time, as --population-batching auto does, said in the row), --master-weights none, the update
   es-lora    the same with a LoRA adapter (r 16, all linear layers) as the trainable weights (--noise iid)
   grpo-full  one step of TRL's GRPOTrainer (N completions per prompt, P prompts, its defaults otherwise: AdamW, bf16)
   grpo-lora  the same with peft's LoraConfig(r=16, target_modules="all-linear")
 
 The parent samples each child's resident memory every 20 ms and kills it when it passes --limit-gb: such a row
 reads "does not fit", a measured failure, never the kernel's OOM killer. A row that fits reports the peak RSS
-(the larger of the parent's samples and the child's VmHWM), the RSS once the model is built, and the seconds of the
-iteration or step alone (not the build). Children run one after another, --threads torch threads each.
+(the larger of the parent's samples and the child's VmHWM) from the moment the model is built (so it counts the ES
+engine's and the GRPOTrainer's construction alike), the RSS once the model is built, and the seconds of the iteration
+or step alone (not the builds). Children run one after another, --threads torch threads each.
 
-    python benchmarks/memory_scale.py --shapes 135m,0.5b,1.5b,3b,7b --limit-gb 20 --json runs/memory_scale.json
+    python benchmarks/memory_scale.py --shapes 135m,0.5b,1.5b,3b,7b,8b --limit-gb 20 --json runs/memory_scale.json
 (the run recorded in docs/benchmarks.md, "The largest model this machine fine-tunes")
 """
 
@@ -45,6 +47,7 @@ SHAPES = {
     "1.5b": (1536, 8960, 28, 12, 2, 151936, True),
     "3b": (3072, 8192, 28, 24, 8, 128256, True),
     "7b": (4096, 11008, 32, 32, 32, 32000, False),
+    "8b": (4096, 14336, 32, 32, 8, 128256, False),
 }
 METHODS = ("generate", "es-full", "es-lora", "grpo-full", "grpo-lora")
 PROMPT_TOKENS, NEW_TOKENS, LORA_R = 32, 16, 16
@@ -99,7 +102,7 @@ if method == "generate":
                              pad_token_id=1)
     trained = 0
 elif method.startswith("es-"):
-    from esft.engines.population import generate_population
+    from esft.engines.population import generate_population, population_batching_problem
     from esft.engines.transformers_engine import TransformersEngine
 
     if method == "es-full":
@@ -112,8 +115,17 @@ elif method.startswith("es-"):
         engine = lora_engine(EngineSettings.of(ESConfig(lora_r=lora_r, device="cpu")), model, tokenizer,
                              {"trainable": None, "noise": "iid", "mini_batch_size": None, "max_tokens": new_tokens})
     engine.min_new_tokens = new_tokens
+    start = time.perf_counter()  # the iteration's seconds; its peak counts the engine's construction (as GRPO's)
     seeds = list(range(1, members + 1))
-    results = generate_population(engine, texts, seeds, 1e-3)
+    if (problem := population_batching_problem(engine)) is None:
+        results = generate_population(engine, texts, seeds, 1e-3)
+    else:  # as `esft train` does under --population-batching auto: the members one at a time, said in the row
+        tell(note="members one at a time: " + problem.split(":")[0])
+        results = []
+        for seed in seeds:
+            engine.perturb(seed, 1e-3)
+            results.append(engine.generate(texts))
+            engine.restore()
     assert all(len(ids) == new_tokens for r in results for ids in r.token_ids), "every row writes its 16 tokens"
     rewards = torch.tensor([float(sum(r.num_tokens) + seed % 3) for seed, r in zip(seeds, results)])
     z = (rewards - rewards.mean()) / (rewards.std() + 1e-8)
@@ -138,8 +150,7 @@ else:
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=args, train_dataset=dataset, processing_class=tokenizer,
                           peft_config=peft_config)
     trained = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
-    reset_peak()
-    start = time.perf_counter()
+    start = time.perf_counter()  # the step's seconds; its peak counts the trainer's construction (as ES's)
     trainer.train()
 tell(seconds=time.perf_counter() - start, peak_mib=status("VmHWM"), trained=trained)
 """
@@ -189,7 +200,7 @@ def measure(shape: str, method: str, members: int, prompts: int, threads: int, l
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", default="135m,0.5b,1.5b,3b,7b", help=f"of {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default="135m,0.5b,1.5b,3b,7b,8b", help=f"of {', '.join(SHAPES)}")
     parser.add_argument("--methods", default=",".join(METHODS), help=f"of {', '.join(METHODS)}")
     parser.add_argument("--members", type=int, default=8, help="ES members = GRPO completions per prompt")
     parser.add_argument("--prompts", type=int, default=4)
@@ -219,7 +230,8 @@ def main() -> None:
             params = f"{row['parameters'] / 1e6:,.0f}M" if "parameters" in row else "-"
             built = f"{row['built_mib'] / 1024:.2f}" if "built_mib" in row else "-"
             seconds = f"{row['seconds']:.0f}" if row["fits"] else "-"
-            print(f"| {shape} | {params} | {method} | {row['verdict']} | {row['peak_mib'] / 1024:.2f} | {ratio} | {built}"
+            verdict = row["verdict"] + (f" ({row['note']})" if "note" in row else "")
+            print(f"| {shape} | {params} | {method} | {verdict} | {row['peak_mib'] / 1024:.2f} | {ratio} | {built}"
                   f" | {seconds} |", flush=True)
             if args.json:
                 path = Path(args.json)
