@@ -8,10 +8,10 @@ in float32 on the master, so small steps are not rounded away in low-precision m
 With `none` the weights are their own master: no copy is kept. A member's weights are computed as above (the
 same numbers), and restoring computes θ − σ·ε back, rounded to the weights' dtype, and puts back the few elements
 where that differs from what was there (`_Perturbation`: kept from the perturb, a few percent of the elements at
-σ 1e-2 in bfloat16, fewer at smaller σ; low-rank noise on low-precision weights is added and taken away a block of
-rows at a time, so no float32 copy of a whole matrix is made); updates land through esft.es.update's path without a master (float32
-weights: the master's numbers bit for bit; bfloat16/float16: seeded stochastic rounding). Population batching
-never writes the weights, so it needs neither.
+σ 1e-2 in bfloat16, fewer at smaller σ). Low-rank noise on bfloat16/float16 weights is added and taken away a
+block of rows at a time, so no float32 copy of a whole matrix is made. Updates land through esft.es.update's path
+without a master (float32 weights: the master's numbers bit for bit; bfloat16/float16: seeded stochastic
+rounding). Population batching never writes the weights, so it needs neither.
 """
 
 from __future__ import annotations

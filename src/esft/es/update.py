@@ -21,11 +21,11 @@ does itself: in place, on a GPU, as vLLM repacks).
 
 Without a master (--master-weights none: `Piece.own_weights`) the piece is the live weights themselves, in their
 own dtype. Tensor by tensor (a low-precision matrix under low-rank noise and sgd: block of rows by block), the step
-is taken on a float32 copy of them, by the same arithmetic as on a master
-(a float32 model's weights come out bit for bit as a master's would), checked, and written back: float32 as it
-is, bfloat16/float16 by seeded stochastic rounding (esft.es.rounding), which also measures how much of the step
-survived (`UpdateResult.survival`). A tensor that would not be finite is left as it was and the update stops
-there: the tensors before it keep their step (`UpdateResult.stepped`), as nothing is kept to undo them with.
+is taken on a float32 copy of them, by the same arithmetic as on a master (a float32 model's weights come out bit
+for bit as a master's would), checked, and written back: float32 as it is, bfloat16/float16 by seeded stochastic
+rounding (esft.es.rounding), which also measures how much of the step survived (`UpdateResult.survival`). A
+tensor that would not be finite is left as it was and the update stops there: the tensors before it keep their
+step (`UpdateResult.stepped`), as nothing is kept to undo them with.
 Pure torch on seeds and tensors: no model.
 """
 
