@@ -199,11 +199,12 @@ def test_row_blocks_change_memory_only_in_a_bfloat16_run_without_a_master(lively
     assert whole[-1][1] is not None and whole[-1][0] != whole[2][0]  # rounded updates that moved the weights
 
 
-def test_without_a_master_the_check_perturbs_groups_of_matrices_and_still_finds_a_use_outside_its_module(
+def test_without_a_master_the_check_perturbs_groups_of_matrices_and_still_refuses_what_it_refused(
         tmp_path, monkeypatch):
     """Without a master, population batching's check perturbs a large model's matrices in place a group at a time
     (what restoring keeps is a group's share): GPT-2 in bfloat16 in several groups passes once its broadcast position
-    embedding is excluded and is refused with it, and the check leaves every weight as it was."""
+    embedding is excluded and is refused with it (its one row for the whole batch), and the check leaves every
+    weight as it was."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     import esft.engines.population as population
