@@ -227,3 +227,26 @@ def test_without_a_master_the_check_perturbs_groups_of_matrices_and_still_refuse
     with pytest.raises(PopulationBatchingError):  # its wpe is one row for the whole batch
         population.check_population_batching(engine(tmp_path, "bfloat16", "lowrank", "none"))
     assert len(population._check_groups(engine(tmp_path, "bfloat16", "lowrank", "float32"))) == 1  # a master: one
+
+
+def test_checked_in_groups_a_matrix_read_outside_its_module_is_still_refused(lively_model_dir, monkeypatch):
+    """The check's groups (without a master) still catch what it exists for: a model that reads a perturbed matrix
+    outside its module (here one MLP's up_proj weight through F.linear, which its hooks never see) is refused by
+    the logits comparison of that matrix's group; the same model read through its modules passes."""
+    import torch.nn.functional as F
+
+    import esft.engines.population as population
+    from esft.engines.member_rows import PopulationBatchingError
+
+    monkeypatch.setattr(population, "CHECK_GROUP_BYTES", 1)  # this tiny model in CHECK_GROUPS groups
+    honest = engine(lively_model_dir, "bfloat16", "lowrank", "none")
+    assert len(population._check_groups(honest)) == population.CHECK_GROUPS
+    population.check_population_batching(honest)
+    subject = engine(lively_model_dir, "bfloat16", "lowrank", "none")
+    mlp = subject.model.model.layers[1].mlp
+    monkeypatch.setattr(mlp, "forward",
+                        lambda x: mlp.down_proj(mlp.act_fn(mlp.gate_proj(x)) * F.linear(x, mlp.up_proj.weight)))
+    start = subject.checksum()
+    with pytest.raises(PopulationBatchingError, match="batched logits differ .* outside the module that owns it"):
+        population.check_population_batching(subject)
+    assert subject.checksum() == start  # refused with every weight as it was
