@@ -363,10 +363,10 @@ def _check_groups(engine) -> list[list]:
         return [engine.trainable]
     perturbed_tensors = [entry for entry in engine.trainable if perturbs(engine.noise, entry[2].shape)]
     nbytes = [param.numel() * param.element_size() for _, _, param in perturbed_tensors]
-    count = max(1, min(CHECK_GROUPS, sum(nbytes) // CHECK_GROUP_BYTES))
+    share = sum(nbytes) / max(1, min(CHECK_GROUPS, sum(nbytes) // CHECK_GROUP_BYTES))
     groups, done = [[]], 0
     for entry, size in zip(perturbed_tensors, nbytes):
-        if groups[-1] and done >= len(groups) * sum(nbytes) / count:  # this group has its share: start the next
+        if groups[-1] and done >= len(groups) * share:  # this group has its share: start the next
             groups.append([])
         groups[-1].append(entry)
         done += size
