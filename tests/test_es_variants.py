@@ -223,6 +223,12 @@ def test_a_schedule_the_parser_refuses_is_refused_by_the_settings(spec):
 
 # ------------------------------------------------------------------ the CLI, resume, metrics
 VARIANTS = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping", "per_prompt"]
+GROUPED = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping",
+           "per_prompt_centered", "--prompt-groups", "2", "--step-rule", "sqrt_n"]
+"""Issue 63's budget design on top of the schedules: 2 prompt groups (each pair of members on its own 2 prompts),
+fitness centred within them, the √N step."""
+DESIGNS = {"variants": (VARIANTS, 16), "grouped": (GROUPED, 8)}
+"""name: (flags, training completions per iteration of 4 members × 4 prompts)."""
 
 
 def toy_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -235,17 +241,19 @@ def rows_of(run: Path) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_resumed_variant_run_is_bitwise_the_uninterrupted_one_and_logs_its_schedule(lively_model_dir, tmp_path):
-    """Every variant at once, resumed from checkpoint-2, ends bitwise equal to the run that was never stopped
-    (slow: three runs of 4 iterations with 4 members)."""
+@pytest.mark.parametrize("design", DESIGNS)
+def test_resumed_variant_run_is_bitwise_the_uninterrupted_one_and_logs_its_schedule(lively_model_dir, tmp_path, design):
+    """Every variant at once (and with prompt groups, centred fitness and the √N step), resumed from checkpoint-2,
+    ends bitwise equal to the run that was never stopped (slow: three runs of 4 iterations with 4 members)."""
+    flags, per_iteration = DESIGNS[design]
     common = ["train", "--model", str(lively_model_dir), "--task", "toy", "--iterations", "4", "--population-size", "4",
               "--batch-size", "4", "--eval-size", "4", "--max-tokens", "8", "--train-size", "20", "--eval-batch-size", "4",
               "--sigma", "0.05", "--alpha", "0.05", "--save-every", "2", "--logging", "none", "--no-progress",
-              "--output-dir", str(tmp_path), *VARIANTS]
+              "--output-dir", str(tmp_path), *flags]
     whole = toy_cli(*common, "--run-name", "whole", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    # the same run, stopped after 2 iterations (16 completions each) and resumed from checkpoint-2
-    cut = toy_cli(*common, "--run-name", "cut", "--budget-completions", "32", cwd=tmp_path)
+    # the same run, stopped after 2 iterations and resumed from checkpoint-2
+    cut = toy_cli(*common, "--run-name", "cut", "--budget-completions", str(2 * per_iteration), cwd=tmp_path)
     assert cut.returncode == 0, cut.stderr[-3000:]
     assert json.loads((tmp_path / "cut" / "checkpoint-2" / "trainer_state.json").read_text())["iteration"] == 2
     assert not (tmp_path / "cut" / "checkpoint-4").exists()
@@ -269,6 +277,9 @@ def test_resumed_variant_run_is_bitwise_the_uninterrupted_one_and_logs_its_sched
     keys = ("es/sigma", "es/alpha", "reward/mean", "reward/std", "reward/max")
     assert [[row[k] for k in keys] for row in rows["whole"]] == [[row[k] for k in keys] for row in rows["cut"]]
     assert any(row["reward/std"] > 0 for row in rows["whole"])  # members scored differently: updates were not zero
+    assert [row["budget/completions"] for row in rows["whole"]] == [per_iteration * i for i in (1, 2, 3, 4)]
+    config = (tmp_path / "cut" / "config.yaml").read_text()
+    assert ("prompt_groups: 2" in config and "step_rule: sqrt_n" in config) == (design == "grouped")
 
 
 def test_constant_schedules_log_sigma_and_alpha_every_iteration(lively_model_dir, tmp_path):
@@ -290,6 +301,18 @@ def test_constant_schedules_log_sigma_and_alpha_every_iteration(lively_model_dir
     (["--algorithm", "grpo", "--sigma-schedule", "cosine"], "--sigma-schedule: is an ES setting"),
     (["--algorithm", "grpo", "--reward-shaping", "per_prompt"], "--reward-shaping: is an ES setting"),
     (["--reward-shaping", "per-prompt"], "per_prompt"),  # the choices name it
+    # issue 63's designs: a split into prompt groups that cannot be made, a step rule that would change nothing
+    (["--prompt-groups", "4"], "--prompt-groups: splits the --population-size 30 members into 4 equal groups"),
+    (["--prompt-groups", "2", "--batch-size", "5"], "B must be a multiple of 2: use --batch-size 6"),
+    (["--prompt-groups", "2", "--strategy", "antithetic", "--population-size", "6", "--batch-size", "4"],
+     "N/G must be even; got 6/2 = 3"),
+    (["--prompt-groups", "2", "--reward-shaping", "per_prompt"], "use per_prompt_centered"),
+    (["--prompt-groups", "0"], "--prompt-groups: must be >= 1"),
+    (["--step-rule", "sqrt_n", "--optimizer", "adam"], "--step-rule: sqrt_n scales the sgd step"),
+    (["--step-rule", "sqrt"], "--step-rule: must be one of paper, sqrt_n"),
+    (["--algorithm", "randopt", "--prompt-groups", "2"], "--prompt-groups: is a setting of the ES update"),
+    (["--sigma", "nope"], "--sigma: must be a number such as 1e-3, or auto"),
+    (["--algorithm", "randopt", "--sigma", "auto"], "--sigma: auto is chosen before ES's first iteration"),
 ])
 def test_cli_refuses_bad_variant_settings_in_one_line(tmp_path, flags, expected):
     proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", "embedded", *flags, "--no-progress",
@@ -303,16 +326,21 @@ def test_cli_refuses_bad_variant_settings_in_one_line(tmp_path, flags, expected)
 
 # ------------------------------------------------------------------ Ray = local
 @pytest.mark.slow
-def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(ray_cluster, lively_model_dir, tmp_path):
-    """Every variant on Ray (2 actors) ends with the local run's weights (slow: Ray actors start and load the model)."""
+@pytest.mark.parametrize("design", [{"reward_shaping": "per_prompt"},
+                                    {"reward_shaping": "per_prompt_centered", "prompt_groups": 2, "step_rule": "sqrt_n"}],
+                         ids=["variants", "grouped"])
+def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(ray_cluster, lively_model_dir, tmp_path,
+                                                                         design):
+    """Every variant on Ray (2 actors) ends with the local run's weights, also with prompt groups (a group's rows
+    travel with its members) (slow: Ray actors start and load the model)."""
     from esft.trainer import ESTrainer
 
     finals = {}
     for executor in ("local", "ray"):
         args = ESConfig(model=str(lively_model_dir), executor=executor, workers=2 if executor == "ray" else 1,
                         iterations=2, population_size=4, batch_size=4, max_tokens=8, sigma=SIGMA, device="cpu",
-                        antithetic=True, sigma_schedule="linear:0.5", alpha_schedule="cosine:0.2",
-                        reward_shaping="per_prompt", population_batching=False, eval_batch_size=4, save_every=0,
+                        antithetic=True, sigma_schedule="linear:0.5", alpha_schedule="cosine:0.2", **design,
+                        population_batching=False, eval_batch_size=4, save_every=0,
                         logging="none", progress=False, output_dir=str(tmp_path), run_name=executor)
         trainer = ESTrainer(model=str(lively_model_dir), reward_funcs=[byte_reward], args=args,
                             train_dataset=toy_rows(20), eval_dataset=toy_rows(4, start=1000))

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import esft
 from esft.loop.learning_signal import distinct_per_prompt, iteration_signal, pairs_differ
-from esft.sigma_scan import Step, degenerate, recommend
+from esft.loop.sigma_ladder import Step, degenerate, recommend
 from cli_runner import run_esft_here
 from tiny_model import build_tokenizer, subprocess_env
 
@@ -131,6 +132,40 @@ def test_sigma_scan_recommends_a_sigma_with_which_the_run_learns(user_dir):
     assert done.returncode == 0, done.stderr
     evaluated = [row["eval/eval/reward"] for row in rows(user_dir / "runs" / "recommended") if "eval/eval/reward" in row]
     assert evaluated[-1] > evaluated[0], evaluated
+
+
+def test_sigma_auto_trains_at_the_sigma_the_scan_recommends_and_says_so_in_one_line(user_dir):
+    """--sigma auto runs esft sigma-scan's ladder with its defaults before the first iteration: the run's σ (in
+    config.yaml, and es/sigma of its rows) is the scan's recommendation and α = σ/2; a given --alpha is kept."""
+    scan = esft_cli(user_dir, "sigma-scan", "--model", "./qwen", "--train-data", "train.jsonl", "--reward-funcs",
+                    "rewards.py:distinct_chars", "--max-tokens", "12", "--out", "scan-defaults")
+    assert scan.returncode == 0, scan.stderr
+    recommended = json.loads((user_dir / "scan-defaults" / "sigma-scan.json").read_text())["recommended_sigma"]
+    assert recommended is not None and recommended != 1e-3, scan.stdout  # not the default: the test would pass blind
+    done = train(user_dir, "auto", "--iterations", "1", "--sigma", "auto")
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "--sigma auto" in line]
+    assert len(lines) == 1 and lines[0].startswith(f"esft: --sigma auto: σ = {recommended:g}, α = σ/2 = "
+                                                   f"{recommended / 2:g}; of σ = 0.0001, "), done.stderr
+    assert "8 members × 8 training prompts, the largest spread of members' rewards" in lines[0]
+    config = yaml.safe_load((user_dir / "runs" / "auto" / "config.yaml").read_text())
+    assert (config["sigma"], config["alpha"]) == (recommended, recommended / 2)
+    assert [row["es/sigma"] for row in rows(user_dir / "runs" / "auto") if "es/sigma" in row] == [recommended]
+    again = esft_cli(user_dir, "train", "--resume", "runs/auto", "--iterations", "2", "--sigma", "auto", "--no-progress")
+    assert again.returncode == 2 and "drop --sigma auto (the run's config.yaml holds the σ" in again.stderr, again.stderr
+    given = train(user_dir, "auto-alpha", "--iterations", "1", "--sigma", "auto", "--alpha", "0.02")
+    assert given.returncode == 0, given.stderr
+    assert f"σ = {recommended:g}, --alpha 0.02 as given;" in given.stderr
+    assert yaml.safe_load((user_dir / "runs" / "auto-alpha" / "config.yaml").read_text())["alpha"] == 0.02
+
+
+def test_sigma_auto_without_a_usable_sigma_stops_before_training_with_the_ladders_verdict(user_dir):
+    done = train(user_dir, "auto-constant", "--iterations", "2", "--sigma", "auto", reward="constant")
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("esft: error:")]
+    assert errors == [errors[0]] and errors[0].startswith("esft: error: --sigma auto: no signal at any σ"), done.stderr
+    assert "give --sigma yourself" in errors[0]
+    assert not (user_dir / "runs" / "auto-constant").exists()  # refused before the run directory was used
 
 
 @pytest.mark.slow

@@ -32,12 +32,20 @@ class UserError(Exception):
 
 def _flag_type(annotation: str):
     base = annotation.replace("| None", "").strip()
-    return {"int": int, "float": float, "str": str, "int | str": _int_or_word}[base]
+    return {"int": int, "float": float, "str": str, "int | str": _int_or_word, "float | str": _float_or_word}[base]
 
 
 def _int_or_word(text: str) -> int | str:
     """A number, or a word such as "auto" (the setting's rule checks which words it takes)."""
     return int(text) if text.isdigit() else text
+
+
+def _float_or_word(text: str) -> float | str:
+    """A number, or a word such as "auto" (the setting's rule checks which words it takes)."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 class _Parser(argparse.ArgumentParser):
@@ -186,7 +194,7 @@ def _coerce_number(value: Any, annotation: str) -> Any:
     """YAML 1.1 reads `1e-3` (no dot) as a string; numeric strings become the field's number type,
     as they would on the command line. Anything else is left for ESConfig to reject."""
     base = annotation.replace("| None", "").strip()
-    if isinstance(value, str) and base in ("int", "float"):
+    if isinstance(value, str) and base in ("int", "float", "float | str"):
         try:
             return _flag_type(annotation)(value)
         except ValueError:

@@ -9,10 +9,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from esft.es import schedules
 from esft.es.optimizers import coefficient_alpha
+from esft.es.step_rules import alpha_for_strategy
 from esft.es.strategies import STRATEGIES, ESState
 from esft.es.batches import prompt_batch
+from esft.es.groups import prompt_groups, prompts_of_members
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.settings.config import ESConfig, es_config, model_path, settings_for
 from esft import console
@@ -28,6 +32,8 @@ from esft.engines.lora import export_merged, uses_adapter
 from esft.engines.settings import EngineSettings
 from esft.loop.evaluation import EvalSettings, evaluate_task, kl_scorer
 from esft.loop.learning_signal import LearningWatch
+from esft.loop import sigma_ladder
+from esft.loop.sigma_ladder import LADDER, SCAN_MEMBERS, SCAN_PROMPTS, ScanResult
 from esft.executors import ExecutorSettings, build_executor
 from esft.files import directory_written_atomically
 from esft.runs.metrics import MetricsLogger, check_backend
@@ -113,6 +119,8 @@ class ESTrainer:
         self._trained = False  # train() was called: a second call continues the run (train's docstring)
         self._result: dict[str, float] = {}
         self.closed = False  # close() was called: the engine is gone
+        if args.sigma == "auto" and args.iterations > 0:  # measured on this model and data before anything trains
+            self._choose_sigma()
 
     @property
     def model(self) -> Any:
@@ -128,6 +136,37 @@ class ESTrainer:
     def run_dir(self) -> Path | None:
         """The run directory (None until train() has claimed one)."""
         return self.run.path if self.run is not None else None
+
+    def scan_sigmas(self, sigmas: Sequence[float] = LADDER, members: int = SCAN_MEMBERS, prompts: int = SCAN_PROMPTS,
+                    said: Any = lambda sigma: None) -> ScanResult:
+        """The σ ladder (esft.loop.sigma_ladder: `members` members at each σ, greedy) on this trainer's engine and
+        rewards, on the first `prompts` training rows of iteration 0's shuffle; the weights are left as they were."""
+        if self.closed:
+            raise RuntimeError(CLOSED)
+        self._tell_rewards()
+        batch = prompt_batch(self.task.train_dataset, self.args.seed, prompts, 0)
+        return sigma_ladder.scan(self.engine, self.rewards.score, batch.rows, self.args.seed, sigmas, members,
+                                 self.args.eval_batch_size, said)
+
+    def _choose_sigma(self) -> None:
+        """--sigma auto: the ladder's recommendation becomes σ (and α = σ/2 unless --alpha was given), said in
+        one line; none (no σ moves the members without collapse) stops with the ladder's verdict."""
+        args = self.args
+        point = self.run.resume if self.run is not None else None
+        if point is not None and point.checkpoint is not None:
+            raise TaskError(f"--sigma auto chooses σ before the first iteration, and this run resumes at iteration "
+                            f"{point.iteration}: drop --sigma auto (the run's config.yaml holds the σ it trained with)")
+        result = self.scan_sigmas()
+        if result.recommended is None:
+            raise TaskError(f"--sigma auto: {result.verdict}; give --sigma yourself (esft sigma-scan shows the ladder)")
+        given_alpha = args.alpha is not None
+        args.sigma = result.recommended
+        args.alpha = args.alpha if given_alpha else args.sigma / 2
+        step = f"--alpha {args.alpha:g} as given" if given_alpha else f"α = σ/2 = {args.alpha:g}"
+        chosen = next(s for s in result.steps if s.sigma == result.recommended)
+        print(f"esft: --sigma auto: σ = {args.sigma:g}, {step}; of σ = {', '.join(f'{s:g}' for s in LADDER)} on "
+              f"{result.members} members × {result.prompts} training prompts, {sigma_ladder.why_chosen(chosen)}",
+              file=sys.stderr)
 
     def _build_engine(self, model: Any, processing_class: Any):
         """The engine (built after the task and its data are checked; esft.grpo.baseline builds another)."""
@@ -239,20 +278,21 @@ class ESTrainer:
             sigma, alpha = schedules.step_sizes(args, self.state.iteration)  # σ_t, α_t: --sigma/--alpha-schedule
             seeds = self.strategy.ask(self.state, args.population_size)
             self._tell_rewards()
-            members = self.executor.evaluate_population(seeds, self._batch(self.state.iteration), sigma)
+            members, prompts = self._evaluate_members(seeds, sigma)  # --prompt-groups: each group on its own prompts
             batches = [member.scores for member in members]
             self._stop_if_unscorable(batches)
-            fitness = fitness_of(batches, args.failed_samples)  # members × prompts; failed samples: --failed-samples
+            fitness = fitness_of(batches, args.failed_samples, prompts)  # members × samples; --failed-samples
             rewards = fitness.member.tolist()
             stop_if_unshapeable(rewards, args.reward_shaping, batches, f"iteration {self.state.iteration + 1}",
                                 self._stop_checkpoint)
-            # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers)
-            state, coefficients = self.strategy.tell(self.state, fitness, coefficient_alpha(args.optimizer, alpha),
-                                                     args.reward_shaping)
+            # adam: coefficients zᵢ/N make G the ES gradient estimate g, α_t its learning rate (esft.es.optimizers);
+            # --step-rule sqrt_n: α·√N, so that the update is (α/√N)·Σ cᵢ·εᵢ (esft.es.step_rules)
+            step = alpha_for_strategy(args.step_rule, coefficient_alpha(args.optimizer, alpha), len(seeds))
+            state, coefficients = self.strategy.tell(self.state, fitness, step, args.reward_shaping)
             self._update(seeds, coefficients, alpha)
             self.state = state
-            last, _ = self._end_iteration(self._iteration_metrics(members, rewards, time.perf_counter() - started,
-                                                                  coefficients, sigma) | {"es/sigma": sigma, "es/alpha": alpha})
+            row = self._iteration_metrics(members, prompts, rewards, time.perf_counter() - started, coefficients, sigma)
+            last, _ = self._end_iteration(row | {"es/sigma": sigma, "es/alpha": alpha})
         return self._end(last, start)
 
     def _begin(self) -> int:
@@ -336,6 +376,15 @@ class ESTrainer:
     def _batch(self, iteration: int):
         return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
 
+    def _evaluate_members(self, seeds: Sequence[int], sigma: float) -> tuple[list, np.ndarray]:
+        """Every member scored on its group's slice of the iteration's batch (esft.es.groups; one group: all on
+        all), group after group, and the batch index of the prompt each member's samples answered."""
+        groups = prompt_groups(len(seeds), self.args.batch_size, self.args.prompt_groups)
+        batch = self._batch(self.state.iteration)
+        members = [member for group in groups for member in self.executor.evaluate_population(
+            [seeds[i] for i in group.members], batch.part(group.prompts), sigma)]
+        return members, prompts_of_members(groups)
+
     def _stop_if_unscorable(self, batches: Sequence[Scores]) -> None:
         """esft.loop.reward_faults.stop_if_unscorable for this iteration."""
         count_failures(self.failure_totals, self.rewards.names, batches)
@@ -383,14 +432,14 @@ class ESTrainer:
         if self.run is not None:
             self.run.close()
 
-    def _iteration_metrics(self, members, rewards: Sequence[float], elapsed: float, coefficients,
+    def _iteration_metrics(self, members, prompts: np.ndarray, rewards: Sequence[float], elapsed: float, coefficients,
                            sigma: float) -> dict[str, float]:
         """The ES row: rewards, budget, and whether the update could move the weights (esft.loop.learning_signal)."""
         row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
                                           sum(m.num_tokens for m in members), elapsed, self._budget)
         return row | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],
                                          sigma, self.strategy.mirrored, self.executor.update_ratio(),
-                                         self.executor.update_survival())
+                                         self.executor.update_survival(), prompts)
 
     # ----------------------------------------------------------------- saving
     def _save(self, directory: Path) -> None:

@@ -22,6 +22,10 @@ class PromptBatch:
     def prompts(self) -> list[str]:
         return [row["prompt"] for row in self.rows]
 
+    def part(self, prompts: range) -> PromptBatch:
+        """The rows at `prompts` (a group's slice, esft.es.groups), of the same iteration; itself when that is all."""
+        return self if prompts == range(len(self.rows)) else PromptBatch(self.iteration, self.rows[prompts.start:prompts.stop])
+
 
 def prompt_batch(data: Sequence[dict[str, Any]], seed: int, size: int, iteration: int) -> PromptBatch:
     """Consecutive slices of per-epoch shuffles of the train set (seeded by (seed, epoch))."""

@@ -25,10 +25,18 @@ from esft.console import say
 SIGMA_HINT = "a larger --sigma (esft sigma-scan measures one for this model and task)"
 
 
-def distinct_per_prompt(fingerprints: Sequence[Sequence[int]]) -> list[int]:
-    """For each sample position (a prompt of the batch), how many different completions the members wrote.
-    `fingerprints`: one sequence per member, in the batch's order."""
-    return [len(set(column)) for column in zip(*fingerprints, strict=True)]
+def distinct_per_prompt(fingerprints: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None
+                        ) -> list[int]:
+    """For each prompt of the batch, how many different completions the members that answered it wrote.
+    `fingerprints`: one sequence per member; `prompts`: the batch index each of them answered (members ×
+    samples, esft.es.groups.prompts_of_members), by default every member on the whole batch, in its order."""
+    if prompts is None:
+        return [len(set(column)) for column in zip(*fingerprints, strict=True)]
+    seen: dict[int, set[int]] = {}
+    for row, where in zip(fingerprints, prompts, strict=True):
+        for fingerprint, prompt in zip(row, where, strict=True):
+            seen.setdefault(int(prompt), set()).add(fingerprint)
+    return [len(seen[prompt]) for prompt in sorted(seen)]
 
 
 def pairs_differ(rewards: Sequence[float]) -> float:
@@ -72,8 +80,9 @@ class IterationSignal:
 
 
 def iteration_signal(rewards: Sequence[float], coefficients: Sequence[float],
-                     fingerprints: Sequence[Sequence[int]]) -> IterationSignal:
-    return IterationSignal(tied=not any(coefficients), distinct=distinct_per_prompt(fingerprints),
+                     fingerprints: Sequence[Sequence[int]], prompts: Sequence[Sequence[int]] | None = None
+                     ) -> IterationSignal:
+    return IterationSignal(tied=not any(coefficients), distinct=distinct_per_prompt(fingerprints, prompts),
                            reward=float(sum(rewards) / len(rewards)), rewards_differ=min(rewards) != max(rewards))
 
 
@@ -90,10 +99,12 @@ class LearningWatch:
 
     def observe(self, iteration: int, rewards: Sequence[float], coefficients: Sequence[float],
                 fingerprints: Sequence[Sequence[int]], sigma: float, mirrored: bool,
-                update_ratio: float | None, update_survival: float | None = None) -> dict[str, float]:
+                update_ratio: float | None, update_survival: float | None = None,
+                prompts: Sequence[Sequence[int]] | None = None) -> dict[str, float]:
         """The iteration row's es/distinct_completions, es/tied, es/update_ratio and es/update_survival (where the
-        engine measures them) and, under a mirrored strategy, es/pairs_differ; says the first tie (`iteration`: 1-based)."""
-        signal = iteration_signal(rewards, coefficients, fingerprints)
+        engine measures them) and, under a mirrored strategy, es/pairs_differ; says the first tie (`iteration`: 1-based).
+        `prompts`: which prompt each fingerprint answered (distinct_per_prompt; --prompt-groups)."""
+        signal = iteration_signal(rewards, coefficients, fingerprints, prompts)
         self.iterations += 1
         if signal.tied:
             self.count += 1

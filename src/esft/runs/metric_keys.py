@@ -80,7 +80,8 @@ METRICS: tuple[Metric, ...] = (
            "the progress bar counts them (`tied`).", "the N members", ES_ROWS),
     Metric("es/distinct_completions", "How many different completions the members wrote for a prompt, averaged over "
            "the iteration's prompts: 1 means every member wrote the unperturbed model's text (σ too small for "
-           "this model), N every member its own.", "the batch's prompts (distinct over the N members)", ES_ROWS),
+           "this model), N every member its own (N/G under --prompt-groups G).", "the batch's prompts (distinct "
+           "over the members that answered each: all N, or a prompt's group)", ES_ROWS),
     Metric("es/update_ratio", "‖Δθ‖/‖θ‖ of the iteration's update over the trainable float32 master (0: the weights "
            "did not move).", "all trainable tensors", ES_ROWS + ", transformers and vLLM engines, in process or on Ray actors (not LoRA-ES on vLLM)"),
     Metric("es/update_survival", "How much of the iteration's float32 update the bfloat16/float16 weights took "

@@ -12,6 +12,7 @@ from typing import Any
 from esft.engines.registry import ENGINES
 from esft.es.fitness import FAILED_SAMPLES
 from esft.es.shaping import REWARD_SHAPING
+from esft.es.step_rules import STEP_RULES
 from esft.es.strategies import STRATEGIES
 
 EMBEDDED_MODEL = "embedded"
@@ -150,7 +151,11 @@ class Fields:
         "ES", "The same as --strategy antithetic: the spelling of commands and configs written before --strategy "
         "(read, never written: a run's config.yaml records the strategy).", algorithms=ES_MEMBERS, default=None)
     population_size: int = _in("ES", "N, perturbed members per iteration.", algorithms=ES_MEMBERS, default=30)
-    sigma: float = _in("ES", "σ, the noise scale of member perturbations θ + σ·ε.", algorithms=ES_MEMBERS, default=1e-3)
+    sigma: float | str = _in(
+        "ES", "σ, the noise scale of member perturbations θ + σ·ε; or auto: before the first iteration, esft "
+        "sigma-scan's ladder and rule with its default members and prompts (esft.loop.sigma_ladder) pick it on this "
+        "run's model, data and reward, said in one line (α = σ/2 unless --alpha is given); a ladder with no usable σ "
+        "stops the run with its verdict. config.yaml records the σ chosen.", algorithms=ES_MEMBERS, default=1e-3)
     noise: str = _in(
         "ES",
         "Noise scheme: iid (tensor k seeded from member seed + k), correlated (every tensor "
@@ -173,7 +178,15 @@ class Fields:
         "error); --no-population-batching: one member at a time.",
         algorithms=ES_MEMBERS, default="auto",
     )
-    batch_size: int = _in("ES", "Prompts per iteration, the same batch for every member.", algorithms=ES_UPDATE, default=32)
+    batch_size: int = _in("ES", "B, prompts per iteration (with --prompt-groups G: split into G slices of B/G).",
+                          algorithms=ES_UPDATE, default=32)
+    prompt_groups: int = _in(
+        "ES", "G: the members in G equal groups and the batch in G equal slices, group g scored on slice g only "
+        "(esft.es.groups): N·B/G completions per iteration, each prompt answered by N/G members, a member's fitness "
+        "compared with its group's. 1: every member on every prompt (the paper). Shape fitness within the group "
+        "with --reward-shaping per_prompt_centered (per_prompt needs every member on the same prompts); N and B "
+        "must be multiples of G (N/G even for a mirrored strategy). Groups are evaluated one after another.",
+        algorithms=ES_UPDATE, default=1)
     reward_shaping: str = _in(
         "ES",
         "Fitness shaping of member rewards (reward is maximized): "
@@ -194,6 +207,10 @@ class Fields:
         "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper). Default: σ/2.",
         algorithms=ES_UPDATE, default=None,
     )
+    step_rule: str = _in(
+        "ES", "How the step divides by the population (esft.es.step_rules): "
+        + "; ".join(f"{name}: {text}" for name, text in STEP_RULES.items()) + ". sgd only (adam normalizes its step).",
+        algorithms=ES_UPDATE, default="paper")
     optimizer: str = _in(
         "ES", "How the ES gradient estimate g = (1/N)·Σ zᵢ·εᵢ moves the weights: sgd (the paper: θ += α·g) or adam "
         "(torch.optim.Adam's step on g with learning rate α, maximizing: θ += α·m̂/(√v̂ + --adam-eps); float32 moments "

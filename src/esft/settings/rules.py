@@ -12,10 +12,12 @@ from typing import Any
 
 from esft.engines.registry import ENGINES, MASTER_WEIGHTS
 from esft.es.fitness import FAILED_SAMPLES
+from esft.es.groups import groups_problem
 from esft.es import schedules
 from esft.es.noise import NOISE_SCHEMES
-from esft.es.optimizers import OPTIMIZERS
+from esft.es.optimizers import LEARNING_RATE_IN_STEP, OPTIMIZERS
 from esft.es.shaping import REWARD_SHAPING
+from esft.es.step_rules import STEP_RULES
 from esft.es.strategies import STRATEGIES
 from esft.files import looks_like_path
 from esft.models.gguf import gguf_problem, is_gguf
@@ -25,6 +27,7 @@ from esft.settings.trl_names import ES_EQUIVALENTS
 CHOICES = {  # the ES and engine choices are their registries themselves (a registered one is a choice too)
     "noise": NOISE_SCHEMES,
     "optimizer": OPTIMIZERS,
+    "step_rule": STEP_RULES,
     "reward_shaping": REWARD_SHAPING,
     "strategy": STRATEGIES,
     "failed_samples": FAILED_SAMPLES,
@@ -64,7 +67,9 @@ class ConfigError(ValueError):
 def differs_from_default(config, name: str) -> bool:
     """Whether setting `name` differs from its default (α's default is σ/2): a setting given for an engine,
     executor or algorithm the run does not use is refused, never ignored."""
-    return getattr(config, name) != (config.sigma / 2 if name == "alpha" else DEFAULTS[name])
+    if name == "alpha":  # α's default is σ/2 (None until --sigma auto has chosen σ)
+        return getattr(config, name) != (config.sigma / 2 if is_number(config.sigma) else None)
+    return getattr(config, name) != DEFAULTS[name]
 
 
 def custom_rewards(settings) -> bool:
@@ -94,13 +99,18 @@ def check(config) -> None:
     """Raise ConfigError naming the first invalid field of an ESConfig and how to fix it."""
     for f in dataclasses.fields(config):
         _check_type(f.name, getattr(config, f.name), f.type)
-        if f.type.startswith("float") and getattr(config, f.name) is not None and not math.isfinite(getattr(config, f.name)):
+        if f.type.startswith("float") and is_number(getattr(config, f.name)) and not math.isfinite(getattr(config, f.name)):
             raise ConfigError(f.name, f"must be a finite number, got {getattr(config, f.name)}")
+    if isinstance(config.sigma, str) and config.sigma != "auto":
+        raise ConfigError("sigma", f"must be a number such as 1e-3, or auto (measured before training); got "
+                          f"{shown(config.sigma)}")
     positive = {"sigma": "a small positive noise scale such as 1e-3", "alpha": "a positive step such as 5e-4"}
     for name, hint in positive.items():
+        if getattr(config, name) is None or getattr(config, name) == "auto":  # α of --sigma auto: σ/2 once σ is chosen
+            continue
         if not getattr(config, name) > 0:
             raise ConfigError(name, f"must be > 0, got {getattr(config, name)}; use {hint}")
-    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "max_tokens": 1, "eval_batch_size": 1, "train_size": 1,
+    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "prompt_groups": 1, "max_tokens": 1, "eval_batch_size": 1, "train_size": 1,
                "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
                "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
@@ -108,7 +118,7 @@ def check(config) -> None:
         if getattr(config, name) is not None and getattr(config, name) < low:
             raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
     for name, (high, why) in MAXIMUM.items():  # checked before anything loads: beyond them, arrays of terabytes
-        if getattr(config, name) is not None and getattr(config, name) > high:
+        if is_number(getattr(config, name)) and getattr(config, name) > high:
             raise ConfigError(name, f"must be <= {high} ({why}), got {shown(getattr(config, name))}")
     if not 0 < config.gpu_memory_utilization <= 1:
         raise ConfigError("gpu_memory_utilization", f"must be in (0, 1], got {config.gpu_memory_utilization}")
@@ -351,6 +361,8 @@ def _check_type(name: str, value: Any, annotation: str) -> None:
     base = annotation.replace("| None", "").strip()
     if base == "int | str":  # a number, or a word such as "auto" (checked by its own rule)
         base = "int" if isinstance(value, int) else "str"
+    if base == "float | str":  # a number, or a word such as "auto" (checked by its own rule)
+        base = "str" if isinstance(value, str) else "float"
     if base == "bool | str":  # true/false, or a word such as "auto" (checked by its own rule)
         base = "bool" if isinstance(value, bool) else "str"
     ok = {
@@ -392,6 +404,16 @@ def _check_variants(config) -> None:
     strategy = STRATEGIES[config.strategy]
     if problem := strategy.population_problem(config.population_size):
         raise ConfigError("population_size", f"--strategy {config.strategy} {problem}")
+    if config.step_rule != "paper" and config.optimizer in LEARNING_RATE_IN_STEP:
+        raise ConfigError("step_rule", f"{config.step_rule} scales the sgd step; --optimizer {config.optimizer} "
+                          "normalizes its step, so the rule would change nothing: drop --step-rule or use --optimizer sgd")
+    if config.prompt_groups > 1:
+        if problem := groups_problem(config.population_size, config.batch_size, config.prompt_groups, strategy.mirrored):
+            raise ConfigError("prompt_groups", problem)
+        if REWARD_SHAPING[config.reward_shaping].needs_shared_prompts:
+            raise ConfigError("reward_shaping", f"{config.reward_shaping} compares members on the same prompts, and "
+                              f"--prompt-groups {config.prompt_groups} scores each group on its own: use "
+                              "per_prompt_centered (centred within each group's prompts) or a shaping over members")
     parts = str(config.adam_betas).split(",")
     try:
         betas = [float(part) for part in parts]
@@ -420,6 +442,9 @@ def _check_randopt(config) -> None:
                 raise ConfigError(name, f"is a setting of --algorithm randopt, which this run does not use "
                                   f"(--algorithm {config.algorithm}); add --algorithm randopt or drop it")
         return
+    if config.sigma == "auto":
+        raise ConfigError("sigma", "auto is chosen before ES's first iteration; RandOpt's members are drawn at one "
+                          "σ of yours: run esft sigma-scan with these settings and give its --sigma")
     for name in RANDOPT_UNUSED:
         if differs_from_default(config, name):
             instead = "; its members are scored on --validation-size rows" if name == "batch_size" else ""

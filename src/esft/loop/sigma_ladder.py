@@ -1,0 +1,143 @@
+"""The σ ladder: a few members at each σ of a ladder, on a few training prompts, as an ES iteration would
+evaluate them (perturb → greedy generate → restore → reward), and the rule that picks σ from what they did.
+`esft sigma-scan` prints it (esft.sigma_scan); `--sigma auto` runs it before the first iteration and trains
+at the σ it picks (ESTrainer).
+
+ES moves the weights only where members' rewards differ. A σ too small leaves every member's greedy
+output as the unperturbed model's (they all tie: no update); too large and members write garbage
+(the mean reward collapses). How small is too small depends on the weights' scale: the embedded
+model was rescaled for the paper's σ = 1e-3, most pretrained models need about 1e-2. Per σ:
+
+- changed: the fraction of completions that differ from the unperturbed model's;
+- spread: the standard deviation of the members' mean rewards (0: they tie, the update is zero);
+- reward: the members' mean reward (beside the unperturbed model's: a fall is collapse);
+- garbled: the fraction of completions that are empty or degenerate (`degenerate`).
+
+RULE (the recommendation): among the σ of the ladder that are intact (no more than GARBLED_MARGIN
+more garbled completions than the unperturbed model writes, and a mean reward no lower than the
+unperturbed model's by more than COLLAPSE of the reward range seen in the scan) and at which at
+least MIN_CHANGED of the completions differ from the unperturbed model's, the one with the largest
+spread of members' rewards (> 0): the spread is what the z-scored update follows. α = σ/2, the
+paper's ratio (σ = 1e-3, α = 5e-4). No such σ: "no signal at any σ" when no σ gave a spread (the
+reward does not tell members apart on these prompts), else "none intact".
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from esft.engines.base import perturbed
+from esft.es.strategies.base import ESState, draw_seeds
+
+RULE = " ".join(__doc__.split("RULE (the recommendation): ")[1].split())
+"""The rule in words, as sigma-scan.json records it."""
+LADDER = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
+SCAN_MEMBERS = 8
+SCAN_PROMPTS = 8
+"""Members per σ and training prompts each answers, by default (esft sigma-scan --members/--prompts; --sigma auto)."""
+MIN_CHANGED = 0.25
+GARBLED_MARGIN = 0.2
+COLLAPSE = 0.25
+
+
+def degenerate(text: str) -> bool:
+    """Empty (after stripping), holding U+FFFD (bytes that decode to nothing), or 8+ non-space characters
+    of which one character makes 90% (a stuck token: "!!!!!!!!")."""
+    visible = "".join(text.split())
+    if not visible or "\ufffd" in text:
+        return True
+    return len(visible) >= 8 and max(visible.count(c) for c in set(visible)) >= 0.9 * len(visible)
+
+
+@dataclass
+class Step:
+    """What the scan measured at one σ."""
+
+    sigma: float
+    changed: float
+    spread: float
+    reward: float
+    garbled: float
+
+
+@dataclass
+class ScanResult:
+    base_reward: float
+    base_garbled: float
+    steps: list[Step]
+    members: int
+    prompts: int
+    recommended: float | None
+    verdict: str
+    """One line: the recommendation and why, or why there is none."""
+
+    def table(self) -> str:
+        lines = [f"{'sigma':>8} {'changed':>8} {'spread':>9} {'reward':>9} {'garbled':>8}",
+                 f"{'(base)':>8} {0.0:>8.2f} {0.0:>9.4f} {self.base_reward:>9.4f} {self.base_garbled:>8.2f}"]
+        for step in self.steps:
+            mark = "  <- recommended" if step.sigma == self.recommended else ""
+            lines.append(f"{step.sigma:>8.0e} {step.changed:>8.2f} {step.spread:>9.4f} {step.reward:>9.4f} "
+                         f"{step.garbled:>8.2f}{mark}")
+        return "\n".join(lines)
+
+
+def why_chosen(step: Step) -> str:
+    """Why the rule picked `step`'s σ, in words."""
+    return (f"the largest spread of members' rewards, {step.spread:.3g}, without collapse; {100 * step.changed:.0f}% of "
+            "completions change")
+
+
+def recommend(base_reward: float, base_garbled: float, steps: list[Step]) -> tuple[float | None, str]:
+    """The module docstring's RULE: (σ or None, the verdict line)."""
+    rewards = [base_reward] + [step.reward for step in steps]
+    scale = max(rewards) - min(rewards)
+    intact = [step for step in steps if step.garbled <= base_garbled + GARBLED_MARGIN
+              and step.reward >= base_reward - COLLAPSE * scale]
+    moving = [step for step in intact if step.spread > 0 and step.changed >= MIN_CHANGED]
+    if moving:
+        step = max(moving, key=lambda step: step.spread)
+        return step.sigma, (f"recommended: --sigma {step.sigma:g} --alpha {step.sigma / 2:g} ({why_chosen(step)}; "
+                            "α = σ/2 as in the paper)")
+    if not any(step.spread > 0 for step in steps):
+        moved = next((step.sigma for step in steps if step.changed > 0), None)
+        where = f"completions change from σ = {moved:g}, but " if moved is not None else "no completion changed and "
+        return None, (f"no signal at any σ: {where}every member got the same reward at every σ; the reward does not "
+                      "tell members apart on these prompts (check it on the model's completions, or use easier data)")
+    return None, ("no σ of the ladder is both moving and intact: rewards differ only where completions collapse "
+                  f"(more than {GARBLED_MARGIN:.0%} more garbled, or the reward falls); try σ between the ladder's steps "
+                  "(--sigmas) or a model that does the task")
+
+
+def scan(engine: Any, score: Callable[..., Any], rows: Sequence[dict], seed: int, sigmas: Sequence[float],
+         members: int, mini_batch_size: int | None = None, said: Callable[[float], None] = lambda sigma: None
+         ) -> ScanResult:
+    """Evaluate `members` members (the seeds of iteration 0 of run seed `seed`, the same at every σ) at each σ
+    on the training `rows` with `engine` (greedy) and `score(rows, texts, token_ids) -> Scores`; `said(σ)` after
+    each σ. The caller tells the reward functions their trainer_state first."""
+    prompts = [row["prompt"] for row in rows]
+
+    def generate_and_score():
+        generation = engine.generate(prompts, mini_batch_size=mini_batch_size)
+        return generation, score(rows, generation.texts, generation.token_ids).mean()
+
+    base, base_reward = generate_and_score()
+    base_prints = base.fingerprints()
+    base_garbled = sum(map(degenerate, base.texts)) / len(base.texts)
+    seeds = draw_seeds(ESState(seed), members)
+    steps = []
+    for sigma in sigmas:
+        rewards, changed, garbled = [], 0, 0
+        for member_seed in seeds:
+            with perturbed(engine, member_seed, sigma):
+                generation, reward = generate_and_score()
+            rewards.append(reward)
+            changed += sum(a != b for a, b in zip(generation.fingerprints(), base_prints))
+            garbled += sum(map(degenerate, generation.texts))
+        total = members * len(rows)
+        steps.append(Step(sigma, changed / total, statistics.pstdev(rewards), statistics.fmean(rewards), garbled / total))
+        said(sigma)
+    recommended, verdict = recommend(base_reward, base_garbled, steps)
+    return ScanResult(base_reward, base_garbled, steps, members, len(rows), recommended, verdict)
