@@ -24,8 +24,8 @@ def write_outputs(result: ScanResult, out: Path, settings: dict[str, Any]) -> tu
     out.mkdir(parents=True, exist_ok=True)
     record = {"recommended_sigma": result.recommended,
               "recommended_alpha": None if result.recommended is None else result.recommended / 2,
-              "verdict": result.verdict, "rule": sigma_ladder.RULE
-              .replace("\n", " ").strip(), "base": {"reward": result.base_reward, "garbled": result.base_garbled},
+              "verdict": result.verdict, "rule": sigma_ladder.RULE,
+              "base": {"reward": result.base_reward, "garbled": result.base_garbled},
               "members": result.members, "prompts": result.prompts, "steps": [asdict(step) for step in result.steps],
               "settings": settings}
     json_path = out / "sigma-scan.json"

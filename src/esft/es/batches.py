@@ -24,7 +24,9 @@ class PromptBatch:
 
     def part(self, prompts: range) -> PromptBatch:
         """The rows at `prompts` (a group's slice, esft.es.groups), of the same iteration; itself when that is all."""
-        return self if prompts == range(len(self.rows)) else PromptBatch(self.iteration, self.rows[prompts.start:prompts.stop])
+        if prompts == range(len(self.rows)):
+            return self
+        return PromptBatch(self.iteration, self.rows[prompts.start : prompts.stop])
 
 
 def prompt_batch(data: Sequence[dict[str, Any]], seed: int, size: int, iteration: int) -> PromptBatch:

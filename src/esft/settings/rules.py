@@ -110,8 +110,8 @@ def check(config) -> None:
             continue
         if not getattr(config, name) > 0:
             raise ConfigError(name, f"must be > 0, got {getattr(config, name)}; use {hint}")
-    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "prompt_groups": 1, "max_tokens": 1, "eval_batch_size": 1, "train_size": 1,
-               "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
+    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "prompt_groups": 1, "max_tokens": 1, "eval_batch_size": 1,
+               "train_size": 1, "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
                "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
     for name, low in minimum.items():
