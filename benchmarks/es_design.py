@@ -1,5 +1,6 @@
-"""ES designs on SmolLM2-135M-Instruct at one budget (issue 63), stage (a): how members and prompts share an
-iteration's 128 completions, and how their fitness is shaped, on times-table.
+"""ES designs on SmolLM2-135M-Instruct at one budget (issue 63), on times-table: stage (a), how members and prompts
+share an iteration's 128 completions and how their fitness is shaped; stage (b), mirrored pairs and σ (3e-3, or
+chosen by --sigma auto) for the designs stage (a) put first.
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
 peak RSS from wait4, a finished run is not run again), --parallel at a time. All share the SmolLM2 recipe's other
@@ -14,7 +15,8 @@ an evaluation every 4 iterations) and 12 iterations of 128 completions:
 The step is matched across N with --step-rule sqrt_n (θ += (α/√N)·Σ cᵢ·εᵢ) at α = 5e-3/√8: the recipe's step at
 N = 8 (α = σ/2 under the paper's α/N), so a z-scored update has about the same norm at every N. Centred fitness is
 not unit-spread, so its step is smaller by the rewards' spread: the table gives each run's mean es/update_ratio
-(‖Δθ‖/‖θ‖ per iteration) beside its accuracy. One seed per cell: a screen for stage (b), not a result.
+(‖Δθ‖/‖θ‖ per iteration) beside its accuracy. One seed per cell: a screen, not a result. A stage (b) cell
+adds a variant (VARIANTS) to a stage (a) cell: shape/shaping/variant.
 
 Writes <out>.json (every number; out = benchmarks/es_design) and the table, printed and written to
 <runs>/es_design.md, headed by the command.
@@ -22,6 +24,7 @@ Writes <out>.json (every number; out = benchmarks/es_design) and the table, prin
     esft prepare-model smollm2-135m-instruct        # once: prints the model folder
     python benchmarks/es_design.py --model <that folder> [--seed 0] [--parallel 2] [--cells 8x16/zscore,...]
         [--iterations 12] [--eval-size 200]
+    python benchmarks/es_design.py --model <that folder> --cells 64x2/zscore/antithetic,64x2/zscore/auto,...
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ import math
 import sys
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
+
+import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -47,30 +52,39 @@ SHAPES = {"8x16": (8, 16, 1), "32x4": (32, 4, 1), "64x2": (64, 2, 1), "128x1": (
 """name: (members N, prompts per iteration B, prompt groups G); N·B/G = 128 completions per iteration each."""
 SHAPINGS = {"zscore": "z-score", "per_prompt": "per-prompt z", "per_prompt_centered": "centred"}
 """--reward-shaping: its name in the table."""
+VARIANTS = {"": [], "antithetic": ["--strategy", "antithetic"], "sigma3e-3": ["--sigma", "3e-3"],
+            "auto": ["--sigma", "auto"]}
+"""Stage (b): what a cell changes from stage (a)'s settings (a cell's third part, shape/shaping/variant; α stays the
+matched one): mirrored pairs, a smaller σ, σ chosen by --sigma auto's ladder."""
 
 
-def cells(spec: str | None) -> list[tuple[str, str]]:
-    """(shape, shaping) of every cell to run, the full grid by default; per_prompt needs shared prompts, so the
-    prompt-groups shape runs only the other two."""
+def cells(spec: str | None) -> list[tuple[str, str, str]]:
+    """(shape, shaping, variant) of every cell to run, stage (a)'s grid by default; per_prompt needs shared prompts,
+    so the prompt-groups shape runs only the other two. A cell is named shape/shaping[/variant]."""
     grid = [(shape, shaping) for shape in SHAPES for shaping in SHAPINGS
             if not (SHAPES[shape][2] > 1 and shaping == "per_prompt")]
     if spec is None:
-        return grid
-    wanted = [tuple(cell.split("/")) for cell in spec.split(",")]
-    unknown = [f"{'/'.join(cell)}" for cell in wanted if cell not in grid]
+        return [(*cell, "") for cell in grid]
+    wanted = [(*cell.split("/"), "")[:3] for cell in spec.split(",")]
+    unknown = [cell for cell, parts in zip(spec.split(","), wanted) if parts[:2] not in grid or parts[2] not in VARIANTS]
     if unknown:
-        sys.exit(f"unknown cells {unknown}; the grid: {', '.join('/'.join(cell) for cell in grid)}")
+        sys.exit(f"unknown cells {unknown}; the grid: {', '.join('/'.join(cell) for cell in grid)}, each with an "
+                 f"optional /{'|'.join(v for v in VARIANTS if v)}")
     return wanted
 
 
-def command(options, shape: str, shaping: str) -> list[str]:
+def run_name(shape: str, shaping: str, variant: str, seed: int) -> str:
+    return f"{shape}-{shaping}{'-' + variant if variant else ''}-s{seed}"
+
+
+def command(options, shape: str, shaping: str, variant: str) -> list[str]:
     members, prompts, groups = SHAPES[shape]
     seed, runs = options.seed, options.runs
     return ["esft", "train", "--model", options.model, *RECIPE, "--iterations", str(options.iterations), "--eval-size",
             str(options.eval_size), "--population-size", str(members), "--batch-size", str(prompts),
             "--prompt-groups", str(groups), "--reward-shaping", shaping, "--step-rule", "sqrt_n", "--alpha", f"{ALPHA:.6g}",
             "--seed", str(seed), "--save-every", "0", "--logging", "none", "--no-progress", "--output-dir", str(runs),
-            "--run-name", f"{shape}-{shaping}-s{seed}"]
+            "--run-name", run_name(shape, shaping, variant, seed), *VARIANTS[variant]]
 
 
 def update_ratios(run_dir: Path) -> list[float]:
@@ -78,12 +92,13 @@ def update_ratios(run_dir: Path) -> list[float]:
     return [row["es/update_ratio"] for row in rows if "es/update_ratio" in row]
 
 
-def measure(options, shape: str, shaping: str) -> dict:
-    run_dir = options.runs / f"{shape}-{shaping}-s{options.seed}"
-    record = run(command(options, shape, shaping), run_dir)
+def measure(options, shape: str, shaping: str, variant: str) -> dict:
+    run_dir = options.runs / run_name(shape, shaping, variant, options.seed)
+    record = run(command(options, shape, shaping, variant), run_dir)
     ratios = update_ratios(run_dir)
-    return {"shape": shape, "shaping": shaping, "seed": options.seed, **record, "curve": curve(run_dir),
-            "update_ratio": sum(ratios) / len(ratios)}
+    sigma = yaml.safe_load((run_dir / "config.yaml").read_text())["sigma"]  # --sigma auto's choice
+    return {"shape": shape, "shaping": shaping, "variant": variant, "sigma": sigma, "seed": options.seed, **record,
+            "curve": curve(run_dir), "update_ratio": sum(ratios) / len(ratios)}
 
 
 def table(results: list[dict], eval_size: int) -> str:
@@ -91,14 +106,14 @@ def table(results: list[dict], eval_size: int) -> str:
     lines = [f"Held-out times-table accuracy (%, {eval_size} rows, greedy) by iteration (128 training completions "
              "each), seed " + ", ".join(sorted({str(r["seed"]) for r in results})) + "; --step-rule sqrt_n, α = "
              f"{ALPHA:.4g}.", "",
-             "| N × P (groups) | shaping | before | " + " | ".join(str(m) for m in marks)
+             "| N × P (groups) | shaping | variant | σ | before | " + " | ".join(str(m) for m in marks)
              + " | gain | mean update ratio | training s | peak RSS MB |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in marks) + " | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in marks) + " | --- | --- | --- | --- |"]
     for r in results:
         members, prompts, groups = SHAPES[r["shape"]]
         at = {p["iteration"]: 100 * p["accuracy"] for p in r["curve"]}
         shape = f"{members} × {prompts}" + (f" ({groups} groups)" if groups > 1 else "")
-        lines.append(f"| {shape} | {SHAPINGS[r['shaping']]} | {at[0]:.1f} | "
+        lines.append(f"| {shape} | {SHAPINGS[r['shaping']]} | {r['variant'] or '—'} | {r['sigma']:g} | {at[0]:.1f} | "
                      + " | ".join(f"{at.get(m, math.nan):.1f}" for m in marks)
                      + f" | {at[max(at)] - at[0]:+.1f} | {r['update_ratio']:.2e} | {r['curve'][-1]['seconds']:.0f} | "
                      f"{r['peak_rss_mb']:.0f} |")

@@ -334,15 +334,16 @@ def test_es_design_benchmark_runs_its_cells_at_128_completions_each(tiny_model_d
     side, each spending N·B/G = 128 completions with the √N step; the table has a row per cell."""
     runs, out = tmp_path / "runs", tmp_path / "design"
     proc = _run("es_design.py", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "4", "--cells",
-                "8x16/zscore,64x16g8/per_prompt_centered", "--runs", str(runs), "--out", str(out), timeout=600)
+                "8x16/zscore/sigma3e-3,64x16g8/per_prompt_centered", "--runs", str(runs), "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())["results"]
-    assert [(r["shape"], r["shaping"]) for r in results] == [("8x16", "zscore"), ("64x16g8", "per_prompt_centered")]
+    assert [(r["shape"], r["shaping"], r["variant"], r["sigma"]) for r in results] == [
+        ("8x16", "zscore", "sigma3e-3", 3e-3), ("64x16g8", "per_prompt_centered", "", 0.01)]
     for r in results:
         assert [p["iteration"] for p in r["curve"]] == [0, 1] and r["curve"][-1]["completions"] == 128
         assert r["peak_rss_mb"] > 100 and r["update_ratio"] >= 0
     config = (runs / "64x16g8-per_prompt_centered-s0" / "config.yaml").read_text()
     assert "prompt_groups: 8" in config and "step_rule: sqrt_n" in config and "population_size: 64" in config
-    assert "| 8 × 16 | z-score |" in proc.stdout and "| 64 × 16 (8 groups) | centred |" in proc.stdout
-    refused = _run("es_design.py", "--model", str(tiny_model_dir), "--cells", "64x16g8/per_prompt")
-    assert refused.returncode != 0 and "unknown cells ['64x16g8/per_prompt']" in refused.stderr
+    assert "| 8 × 16 | z-score | sigma3e-3 | 0.003 |" in proc.stdout and "| 64 × 16 (8 groups) | centred | — |" in proc.stdout
+    refused = _run("es_design.py", "--model", str(tiny_model_dir), "--cells", "64x16g8/per_prompt,8x16/zscore/big")
+    assert refused.returncode != 0 and "unknown cells ['64x16g8/per_prompt', '8x16/zscore/big']" in refused.stderr
