@@ -142,7 +142,7 @@ class Instrumented:
         self.engine, self.executor, self.timings = engine, executor, timings
         for module, name in ((te, "draw_noise"), (lowrank, "lowrank_factors")):
             setattr(module, name, self.timed("noise", getattr(module, name)))
-        te.decode_greedy = self.timed("generate", te.decode_greedy)
+        te.decode = self.timed("generate", te.decode)
         executor.scorer = self.timed("reward", executor.scorer)
         self.current = {name: getattr(engine, name) for name in ("perturb", "restore", "update")}
         self.current_evaluate = executor.evaluate_population

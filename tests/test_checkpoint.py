@@ -32,6 +32,7 @@ from esft.settings.config import ESConfig
 from esft.runs.directory import ResumeError, find_resume_point
 from esft.tasks import TASKS, TaskError
 from tiny_model import build_tiny_model, subprocess_env
+from cli_runner import without_model_preset
 from toy_task import byte_reward, make_toy_task, toy_rows
 
 TESTS = Path(__file__).parent
@@ -57,13 +58,13 @@ def toy_args(model: Path, out: Path, run_name: str, *extra: str) -> list[str]:
 
 
 def run_in_process(argv: list[str]) -> None:
-    assert main(argv) == 0
+    assert main(without_model_preset(argv)) == 0
 
 
 def run_in_subprocess(argv: list[str], cwd: Path) -> None:
     """`esft` in a fresh interpreter (tests/toy_task.py registers the toy task, then runs the CLI)."""
     env = subprocess_env()
-    proc = subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *argv], cwd=cwd, env=env,
+    proc = subprocess.run([sys.executable, str(TESTS / "toy_task.py"), *without_model_preset(argv)], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
 

@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from esft.cli import resolve_config
-from esft.settings.config import DEMO_PRESET, ESConfig
+from esft.settings.config import DEMO_PRESET, MODEL_PRESET, ESConfig
 from esft.tasks.countdown import countdown_accuracy, countdown_reward
 from cli_runner import run_esft, run_esft_here
 from tiny_model import subprocess_env
@@ -289,6 +289,7 @@ def test_config_file_sets_values_and_flags_override_it(tiny_model_dir, tmp_path)
         "eval_size: 4\n"
         "iterations: 0\n"
         "logging: none\n"
+        "preset: none\n"        # esft train's own key: no model preset, ESConfig's defaults (the batch size below)
     )
     proc, _ = esft("train", "--config", str(config_file), "--population-size", "4", "--no-progress",
                    "--output-dir", str(tmp_path), "--run-name", "r", cwd=tmp_path)
@@ -339,15 +340,17 @@ LOWRANK = PAPER | DEMO_PRESET
         ("train", {"noise": "correlated"}, PAPER | {"noise": "correlated", "population_batching": True}, ""),
         ("train", {"population_batching": False}, LOWRANK | {"population_batching": False}, ""),
         ("train", {"engine": "vllm"}, PAPER, "--engine vllm turns off the demo preset's --noise, --rank, --population-batching"),
-        ("train", {"model": "org/some-model"}, PAPER, ""),                 # not the demo model: the paper's defaults
+        ("train", {"task": "arithmetic"}, PAPER, ""),                     # not the demo's task: the paper's
         ("eval", {}, PAPER, ""),                                           # nothing to speed up
     ],
 )
 def test_demo_preset_applies_as_defaults(command, given, expected, dropped, capsys):
-    config, preset, _ = resolve_config(command, dict(given))
+    config, (which, preset), _ = resolve_config(command, dict(given))
     assert {name: getattr(config, name) for name in PAPER} == expected
     assert all(DEMO_PRESET[name] == value and name not in given for name, value in preset.items())  # defaults only
-    if command != "train" or given.get("model", "embedded") != "embedded":
+    assert which == ("demo" if command == "train" and given.get("model", "embedded") == "embedded"
+                     and "task" not in given else None)
+    if which is None:
         assert preset == {}
     err = capsys.readouterr().err
     assert (dropped in err) if dropped else "turns off" not in err
@@ -357,8 +360,35 @@ def test_demo_preset_applies_as_defaults(command, given, expected, dropped, caps
 def test_demo_preset_values_from_a_yaml_file_count_as_given(tmp_path):
     config_file = tmp_path / "run.yaml"
     config_file.write_text("noise: iid\n")
-    config, preset, _ = resolve_config("train", {"config": str(config_file)})
+    config, (_, preset), _ = resolve_config("train", {"config": str(config_file)})
     assert preset == {"population_batching": True} and config.noise == "iid" and config.rank == 1
+
+
+MODEL_DESIGN = ("noise", "rank", "population_size", "batch_size", "step_rule", "sigma", "alpha")
+
+
+@pytest.mark.parametrize(
+    "given, expected, dropped",
+    [
+        ({}, ("lowrank", 4, 64, 2, "sqrt_n", "auto", None), ""),  # σ, and α with it, chosen before the first iteration
+        ({"sigma": 0.01}, ("lowrank", 4, 64, 2, "sqrt_n", 0.01, 0.01 / (2 * 8 ** 0.5)), ""),  # sqrt_n's own α
+        ({"sigma": 0.01, "alpha": 0.002}, ("lowrank", 4, 64, 2, "sqrt_n", 0.01, 0.002), ""),
+        ({"population_size": 8, "batch_size": 16}, ("lowrank", 4, 8, 16, "sqrt_n", "auto", None), ""),
+        ({"noise": "iid"}, ("iid", 1, 64, 2, "sqrt_n", "auto", None), ""),  # no rank for full-rank noise
+        ({"lora_r": 4}, ("iid", 1, 64, 2, "sqrt_n", "auto", None), "--lora-r turns off the model preset's --noise, --rank"),
+        ({"optimizer": "adam", "sigma": 0.01, "alpha": 1e-4}, ("lowrank", 4, 64, 2, "paper", 0.01, 1e-4),
+         "--optimizer adam turns off the model preset's --step-rule (adam normalizes its own step)"),
+    ],
+)
+def test_the_model_preset_applies_as_defaults_on_any_model_but_the_embedded_one(given, expected, dropped, capsys):
+    config, (which, preset), _ = resolve_config("train", {"model": "org/some-model", **given})
+    assert which == "model" and tuple(getattr(config, name) for name in MODEL_DESIGN) == pytest.approx(expected)
+    assert all(MODEL_PRESET[name] == value and name not in given for name, value in preset.items())  # defaults only
+    err = capsys.readouterr().err
+    assert (dropped in err) if dropped else "turns off" not in err
+    assert ESConfig(model="org/some-model").population_size == 30  # the API's defaults: the paper's
+    for command, more in (("eval", {}), ("train", {"algorithm": "grpo"}), ("train", {"algorithm": "randopt"})):
+        assert resolve_config(command, {"model": "org/some-model", **more})[1] == (None, {})  # ES's training only
 
 
 def test_an_error_caused_by_the_demo_preset_says_so(tmp_path):

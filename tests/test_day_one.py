@@ -111,7 +111,7 @@ def recording_reward(prompts, completions, answer, **kwargs):
 def cli_train(model: Path, tmp_path: Path, name: str, *extra: str) -> int:
     from esft.cli import main
 
-    return main(["train", "--model", str(model), "--population-size", "2", "--batch-size", "2",
+    return main(["train", "--preset", "none", "--model", str(model), "--population-size", "2", "--batch-size", "2",
                  "--max-tokens", "4", "--iterations", "1", "--eval-batch-size", "8", "--logging", "none",
                  "--no-progress", "--output-dir", str(tmp_path), "--run-name", name, "--no-reward-sandbox", *extra])
 
@@ -182,7 +182,7 @@ def their_data(tmp_path) -> tuple[Path, Path, Path]:
 def test_es_at_scale_rewards_and_datasetdicts_work_as_they_are(their_data, tiny_model_dir, tmp_path):
     train, evaluation, reward_file = their_data
     proc = subprocess.run(
-        [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(train),
+        [sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data", str(train),
          "--eval-data", str(evaluation), "--prompt-column", "context", "--reward-funcs", f"{reward_file}:reward_function",
          "--target-column", "target", "--population-size", "2", "--batch-size", "3", "--max-tokens", "4",
          "--iterations", "1", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path / "runs"),
@@ -303,7 +303,8 @@ def test_async_rewards_and_verl_compute_score_score_in_the_sandbox():
 # ------------------------------------------------------------------------------- 7. smaller things
 def test_finished_run_resumed_adds_no_row_and_accuracy_after_is_its_own_line(tiny_model_dir, tmp_path):
     """`esft train` with stderr going to a file (a job log), then --resume of the finished run."""
-    argv = [sys.executable, str(ROOT / "tests" / "toy_task.py"), "train", "--task", "toy", "--model", str(tiny_model_dir),
+    argv = [sys.executable, str(ROOT / "tests" / "toy_task.py"), "train", "--preset", "none", "--task", "toy", "--model",
+            str(tiny_model_dir),
             "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--iterations", "2",
             "--logging", "none", "--output-dir", str(tmp_path), "--run-name", "log"]
     with open(tmp_path / "stderr.txt", "w") as log:

@@ -16,6 +16,7 @@ import yaml
 
 import esft
 from tiny_model import subprocess_env
+from cli_runner import without_model_preset
 
 ESFT_SRC = Path(esft.__file__).parents[1]  # the esft under test, in subprocesses too
 ENV = {**subprocess_env(), "PYTHONPATH": str(ESFT_SRC) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -26,7 +27,8 @@ ROWS = [{"prompt": f"Say something about {word}:"} for word in ("cats", "dogs", 
 def esft_cli(*args: str, cwd: Path, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float]:
     """`python -m esft.cli ARGS` from `cwd`; the finished process and its wall time in seconds."""
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=env or ENV, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "esft.cli", *without_model_preset(args)], cwd=cwd, env=env or ENV,
+                          capture_output=True,
                           text=True, timeout=300)
     return proc, time.perf_counter() - started
 

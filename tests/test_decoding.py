@@ -40,13 +40,13 @@ def hf_tokens(engine, prompts) -> list[list[int]]:
 
 def test_greedy_decoding_equals_generate_while_dropping_finished_rows(engine, prompts, monkeypatch):
     seen = []
-    real = decoding.decode_greedy
+    real = decoding.decode
 
     def watched(*args, **kwargs):
         kwargs["on_rows"] = lambda active: seen.append(len(active))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr("esft.engines.transformers_engine.decode_greedy", watched)
+    monkeypatch.setattr("esft.engines.transformers_engine.decode", watched)
     ours = engine.generate(prompts)
     assert ours.token_ids == hf_tokens(engine, prompts)
     assert seen[0] == len(prompts) and len(seen) > 2 and seen == sorted(seen, reverse=True)  # rows were dropped
@@ -181,8 +181,8 @@ def test_the_cache_goes_by_the_name_the_model_takes(tiny_model_dir):
     assert decoding._cache_argument(renamed) == "cache"
     batch = tokenizer(["ab", "abcd"], return_tensors="pt", padding=True, padding_side="left")
     eos = [tokenizer.eos_token_id]
-    assert decoding.decode_greedy(renamed, batch["input_ids"], batch["attention_mask"], 6, eos) == \
-        decoding.decode_greedy(model, batch["input_ids"], batch["attention_mask"], 6, eos)
+    assert decoding.decode(renamed, batch["input_ids"], batch["attention_mask"], 6, eos) == \
+        decoding.decode(model, batch["input_ids"], batch["attention_mask"], 6, eos)
 
 
 def test_the_output_head_reads_a_contiguous_input_in_greedy_and_sampled_generation(engine, prompts):

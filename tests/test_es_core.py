@@ -197,6 +197,27 @@ def test_perturb_adds_sigma_times_regenerated_noise(tiny_model_dir):
     engine.restore()
 
 
+def test_iid_matrices_gives_each_matrix_its_iid_noise_and_freezes_every_other_tensor(tiny_model_dir):
+    iid, matrices = load_engine(tiny_model_dir), load_engine(tiny_model_dir, noise="iid_matrices")
+    base = weights(matrices)
+    frozen = [name for _, name, param in matrices.trainable if param.dim() != 2]
+    assert frozen and len(frozen) < len(matrices.trainable)  # the tiny Llama has norm weights beside its matrices
+    iid.perturb(42, sigma=1e-3)
+    matrices.perturb(42, sigma=1e-3)
+    for (_, name, param), (_, _, twin) in zip(matrices.trainable, iid.trainable):
+        if name in frozen:
+            assert torch.equal(param.detach(), base[name]) and not torch.equal(twin.detach(), base[name])
+        else:
+            assert torch.equal(param.detach(), twin.detach())
+    matrices.restore()
+    iid.restore()
+    matrices.update([5, 9], [1e-3, -2e-3])
+    iid.update([5, 9], [1e-3, -2e-3])
+    for name in base:
+        assert torch.equal(matrices.master[name], base[name] if name in frozen else iid.master[name])
+    assert not draw_noise("iid_matrices", 1, 0, (8,)).any() and draw_noise("iid_matrices", 1, 0, (8, 2)).any()
+
+
 def test_update_matches_direct_computation(tiny_model_dir):
     engine = load_engine(tiny_model_dir)
     base = {name: t.double() for name, t in weights(engine).items()}

@@ -23,7 +23,7 @@ from esft.es.strategies.antithetic import STRATEGY as ANTITHETIC, merge_mirrored
 from esft.es.strategies.base import SEED_RANGE, ESState
 from esft.es.strategies.paper import STRATEGY as PAPER
 from esft.es.batches import PromptBatch
-from esft.es.noise import draw_noise, lowrank_factors
+from esft.es.noise import NOISE_SCHEMES, draw_noise, lowrank_factors, perturbs
 from esft.executors import LocalExecutor
 from esft.es.fitness import Fitness, same_prompts
 from esft.es.shaping import REWARD_SHAPING
@@ -34,7 +34,7 @@ from tiny_model import build_tiny_model, subprocess_env
 from toy_task import byte_reward, toy_rows
 
 TESTS = Path(__file__).parent
-NOISES = ["iid", "correlated", "lowrank"]
+NOISES = list(NOISE_SCHEMES)
 SIGMA = 0.05
 
 
@@ -66,7 +66,7 @@ def test_a_mirrored_members_noise_is_the_exact_negative(noise):
         plus = draw_noise(noise, seed, index, shape, rank=2)
         minus = draw_noise(noise, ~seed, index, shape, rank=2)
         assert torch.equal(minus, -plus)
-        if noise != "lowrank" or len(shape) == 2:
+        if perturbs(noise, shape):
             assert plus.abs().sum() > 0
         out = torch.empty(shape)
         assert draw_noise(noise, ~seed, index, shape, out=out, rank=2) is out and torch.equal(out, -plus)
@@ -222,11 +222,12 @@ def test_a_schedule_the_parser_refuses_is_refused_by_the_settings(spec):
 
 
 # ------------------------------------------------------------------ the CLI, resume, metrics
-VARIANTS = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping", "per_prompt"]
+VARIANTS = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping", "per_prompt",
+            "--noise", "iid_matrices"]
 GROUPED = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping",
-           "per_prompt_centered", "--prompt-groups", "2", "--step-rule", "sqrt_n"]
-"""Issue 63's budget design on top of the schedules: 2 prompt groups (each pair of members on its own 2 prompts),
-fitness centred within them, the √N step."""
+           "per_prompt_centered", "--prompt-groups", "2", "--step-rule", "sqrt_n", "--rollout-temperature", "1.0"]
+"""Issue 63's budget designs on top of the schedules: 2 prompt groups (each pair of members on its own 2 prompts),
+fitness centred within them, the √N step, rollouts sampled with common random numbers."""
 DESIGNS = {"variants": (VARIANTS, 16), "grouped": (GROUPED, 8)}
 """name: (flags, training completions per iteration of 4 members × 4 prompts)."""
 
@@ -279,7 +280,8 @@ def test_resumed_variant_run_is_bitwise_the_uninterrupted_one_and_logs_its_sched
     assert any(row["reward/std"] > 0 for row in rows["whole"])  # members scored differently: updates were not zero
     assert [row["budget/completions"] for row in rows["whole"]] == [per_iteration * i for i in (1, 2, 3, 4)]
     config = (tmp_path / "cut" / "config.yaml").read_text()
-    assert ("prompt_groups: 2" in config and "step_rule: sqrt_n" in config) == (design == "grouped")
+    assert ("prompt_groups: 2" in config and "step_rule: sqrt_n" in config and "rollout_temperature: 1.0" in config
+            ) == (design == "grouped")
 
 
 def test_constant_schedules_log_sigma_and_alpha_every_iteration(lively_model_dir, tmp_path):
@@ -326,13 +328,15 @@ def test_cli_refuses_bad_variant_settings_in_one_line(tmp_path, flags, expected)
 
 # ------------------------------------------------------------------ Ray = local
 @pytest.mark.slow
-@pytest.mark.parametrize("design", [{"reward_shaping": "per_prompt"},
-                                    {"reward_shaping": "per_prompt_centered", "prompt_groups": 2, "step_rule": "sqrt_n"}],
+@pytest.mark.parametrize("design", [{"reward_shaping": "per_prompt", "noise": "iid_matrices"},
+                                    {"reward_shaping": "per_prompt_centered", "prompt_groups": 2, "step_rule": "sqrt_n",
+                                     "rollout_temperature": 1.0}],
                          ids=["variants", "grouped"])
 def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(ray_cluster, lively_model_dir, tmp_path,
                                                                          design):
     """Every variant on Ray (2 actors) ends with the local run's weights, also with prompt groups (a group's rows
-    travel with its members) (slow: Ray actors start and load the model)."""
+    travel with its members) and sampled rollouts (the sampling goes with them) (slow: Ray actors start and load the
+    model)."""
     from esft.trainer import ESTrainer
 
     finals = {}

@@ -17,6 +17,7 @@ from esft.engines.base import Generation
 from esft.loop.evaluation import EvalSettings, evaluate_split, ks_for, pass_at_k
 from esft.rewards.runner import RewardRunner
 from tiny_model import build_tiny_model
+from cli_runner import without_model_preset
 
 TINY = ["--population-size", "4", "--batch-size", "3", "--max-tokens", "6", "--eval-batch-size", "16",
         "--logging", "none", "--no-progress", "--save-every", "0"]
@@ -27,7 +28,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def run(argv: list[str], capsys) -> str:
-    code = main(argv)
+    code = main(without_model_preset(argv))
     captured = capsys.readouterr()
     assert code == 0, captured.err
     return captured.out

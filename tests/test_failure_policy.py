@@ -93,7 +93,7 @@ def test_a_tiny_model_trains_through_a_flaky_reward_under_each_policy(tiny_model
     (work / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + {i} ="}) + "\n" for i in range(8)))
     runs = {}
     for policy in ("default", "fill"):
-        argv = [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", "train.jsonl",
+        argv = [sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data", "train.jsonl",
                 "--eval-data", "train.jsonl", "--reward-funcs", "flaky.py:flaky", "--population-size", "4",
                 "--batch-size", "8", "--iterations", "3", "--max-tokens", "4", "--sigma", "0.05",
                 "--failure-reward", "-100", "--logging", "none", "--no-progress", "--save-every", "0",

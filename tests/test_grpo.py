@@ -173,7 +173,7 @@ def test_the_demo_preset_is_es_only_and_resume_keeps_the_algorithm(runs, tmp_pat
     from esft.cli import UserError, resolve_config
 
     config, preset, _ = resolve_config("train", {"algorithm": "grpo"})
-    assert preset == {} and config.noise == "iid" and config.population_batching == "auto"
+    assert preset == (None, {}) and config.noise == "iid" and config.population_batching == "auto"
     with pytest.raises(UserError, match="was trained with --algorithm grpo"):
         resolve_config("train", {"resume": str(runs["grpo"][1]), "algorithm": "es"})
     assert resolve_config("train", {"resume": str(runs["grpo"][1]), "trust_run_code": True})[0].algorithm == "grpo"

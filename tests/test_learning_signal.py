@@ -159,6 +159,43 @@ def test_sigma_auto_trains_at_the_sigma_the_scan_recommends_and_says_so_in_one_l
     assert yaml.safe_load((user_dir / "runs" / "auto-alpha" / "config.yaml").read_text())["alpha"] == 0.02
 
 
+def test_esft_train_on_a_users_model_without_es_flags_runs_the_model_preset(user_dir):
+    """`esft train --model ./qwen` with data and a reward but no ES setting: the model preset (64 members on 2
+    prompts, rank-4 low-rank noise, the √N step, σ chosen by --sigma auto and α = σ/(2√8) with it), said in one
+    line; every value of it is in config.yaml; a flag given keeps its own value; --preset none gives the paper's."""
+    assert esft_cli(user_dir, "sigma-scan", "--model", "./qwen", "--train-data", "train.jsonl", "--reward-funcs",
+                    "rewards.py:distinct_chars", "--max-tokens", "12", "--noise", "lowrank", "--rank", "4",
+                    "--out", "scan-preset").returncode == 0
+    sigma = json.loads((user_dir / "scan-preset" / "sigma-scan.json").read_text())["recommended_sigma"]
+    assert sigma is not None
+    common = ("train", "--model", "./qwen", "--train-data", "train.jsonl", "--eval-data", "eval.jsonl",
+              "--reward-funcs", "rewards.py:distinct_chars", "--max-tokens", "12", "--iterations", "1", "--logging",
+              "none", "--no-progress", "--output-dir", "runs")
+    done = run_esft_here(*common, "--run-name", "preset", cwd=user_dir, env=ENV, model_preset=True)
+    assert done.returncode == 0, done.stderr
+    assert ("esft: model preset: --noise lowrank --rank 4 --population-size 64 --batch-size 2 --step-rule sqrt_n "
+            "--sigma auto (") in done.stderr
+    assert f"esft: --sigma auto: σ = {sigma:g}, α = σ/(2√8) = {sigma / (2 * 8 ** 0.5):g};" in done.stderr
+    config = yaml.safe_load((user_dir / "runs" / "preset" / "config.yaml").read_text())
+    assert {key: config[key] for key in ("noise", "rank", "population_size", "batch_size", "step_rule")} == {
+        "noise": "lowrank", "rank": 4, "population_size": 64, "batch_size": 2, "step_rule": "sqrt_n"}
+    assert config["sigma"] == sigma and config["alpha"] == pytest.approx(sigma / (2 * 8 ** 0.5))
+    ladder = json.loads((user_dir / "runs" / "preset" / "sigma-scan.json").read_text())  # the table σ was chosen from
+    assert ladder["recommended_sigma"] == sigma and [step["sigma"] for step in ladder["steps"]] == [
+        1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1] and ladder["prompts"] == 8
+    assert rows(user_dir / "runs" / "preset")[1]["budget/completions"] == 128  # 64 members × 2 prompts
+    mine = run_esft_here(*common, "--run-name", "mine", "--population-size", "4", "--sigma", "0.05", cwd=user_dir,
+                         env=ENV, model_preset=True)
+    assert mine.returncode == 0, mine.stderr
+    assert "esft: model preset: --noise lowrank --rank 4 --batch-size 2 --step-rule sqrt_n (" in mine.stderr
+    config = yaml.safe_load((user_dir / "runs" / "mine" / "config.yaml").read_text())
+    assert (config["population_size"], config["sigma"], config["alpha"]) == (4, 0.05, pytest.approx(0.05 / (2 * 8 ** 0.5)))
+    paper = run_esft_here(*common, "--run-name", "paper", "--preset", "none", cwd=user_dir, env=ENV, model_preset=True)
+    assert paper.returncode == 0 and "preset" not in paper.stderr, paper.stderr
+    config = yaml.safe_load((user_dir / "runs" / "paper" / "config.yaml").read_text())
+    assert (config["noise"], config["population_size"], config["sigma"], config["step_rule"]) == ("iid", 30, 1e-3, "paper")
+
+
 def test_sigma_auto_without_a_usable_sigma_stops_before_training_with_the_ladders_verdict(user_dir):
     done = train(user_dir, "auto-constant", "--iterations", "2", "--sigma", "auto", reward="constant")
     assert done.returncode == 2, done.stderr
@@ -212,3 +249,13 @@ def test_signal_arithmetic_and_the_recommendation_rule():
     assert recommend(0.3, 0.0, steps)[0] == 1e-3  # 1e-2 spreads more but collapses (garbled, reward falls)
     assert recommend(0.3, 0.0, [Step(1e-3, 0.0, 0.0, 0.3, 0.0)])[1].startswith("no signal at any σ: no completion")
     assert recommend(0.3, 0.0, steps[2:])[1].startswith("no σ of the ladder is both moving and intact")
+    # SmolLM2 on 8 arithmetic prompts at seed 1 (sigma_ladder's docstring): 1e-2 keeps a third of the unperturbed
+    # reward and spreads most, 3e-2 falls to the floor
+    seed1 = [Step(1e-3, 0.62, 0.0749, 0.3906, 0.0), Step(3e-3, 0.92, 0.0625, 0.3125, 0.0),
+             Step(1e-2, 1.0, 0.0884, 0.125, 0.0), Step(3e-2, 1.0, 0.0, 0.0, 0.0), Step(1e-1, 1.0, 0.0, 0.0, 0.03)]
+    assert recommend(0.375, 0.0, seed1)[0] == 1e-2
+    fallen = seed1[:2] + [Step(1e-2, 1.0, 0.0884, 0.05, 0.0)] + seed1[3:]  # below a quarter of the range: collapse
+    assert recommend(0.375, 0.0, fallen)[0] == 1e-3
+    # a fall within the unperturbed reward's standard error over few prompts is noise, whatever the range says
+    narrow = [Step(1e-3, 0.5, 0.01, 0.30, 0.0), Step(1e-2, 1.0, 0.05, 0.20, 0.0)]
+    assert recommend(0.31, 0.0, narrow)[0] == 1e-3 and recommend(0.31, 0.0, narrow, base_error=0.15)[0] == 1e-2

@@ -18,7 +18,7 @@ peft = pytest.importorskip("peft", reason="install esft[lora] to test LoRA-ES")
 
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
-from cli_runner import run_esft_here
+from cli_runner import run_esft_here, without_model_preset
 from tiny_model import build_tiny_model, subprocess_env  # noqa: E402
 from toy_task import byte_reward, toy_rows  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -50,7 +50,7 @@ def data_dir(tmp_path_factory) -> Path:
 
 
 def train_args(model: Path, data: Path, out: Path, run_name: str, *extra: str) -> list[str]:
-    return ["train", "--model", str(model), "--train-data", str(data / "train.jsonl"), "--eval-data",
+    return ["train", "--preset", "none", "--model", str(model), "--train-data", str(data / "train.jsonl"), "--eval-data",
             str(data / "eval.jsonl"), "--reward-funcs", f"{TESTS / 'toy_task.py'}:byte_reward", "--no-reward-sandbox",
             "--population-size", "4", "--batch-size", "2", "--max-tokens", "6", "--eval-batch-size", "4",
             "--sigma", "0.05", "--logging", "none", "--no-progress", "--output-dir", str(out), "--run-name", run_name,
@@ -60,7 +60,8 @@ def train_args(model: Path, data: Path, out: Path, run_name: str, *extra: str) -
 def esft(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {**subprocess_env(),
            "PYTHONPATH": os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "esft.cli", *without_model_preset(args)], cwd=cwd, env=env,
+                          capture_output=True, text=True,
                           timeout=180)
 
 
@@ -152,14 +153,14 @@ def test_population_batching_follows_dropped_rows_with_correlated_noise(monkeypa
 
     engine = build_engine(EngineSettings.of(lora_args(embedded_model_path(), noise="correlated", population_batching=True, max_tokens=48)))
     engine.update([1, 2, 3], [1e-2, -1e-2, 5e-3])  # B away from 0
-    running, real = [], decoding.decode_greedy
+    running, real = [], decoding.decode
 
     def watched(*args, on_rows=None, **kwargs):  # records how many rows each population step still runs
         if on_rows is None:
             return real(*args, **kwargs)
         return real(*args, on_rows=lambda active: (running.append(len(active)), on_rows(active)), **kwargs)
 
-    monkeypatch.setattr("esft.engines.transformers_engine.decode_greedy", watched)
+    monkeypatch.setattr("esft.engines.transformers_engine.decode", watched)
     prompts = prompt_batch(make_countdown_task(seed=0).train_dataset, 0, 8, 0).prompts
     seeds, sigma = [11, 12, 13], 3e-3
     batched = generate_population(engine, prompts, seeds, sigma)

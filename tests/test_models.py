@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from test_cli import assert_user_error, esft, read_jsonl, safetensors_of
 from tiny_model import build_sparse_model, subprocess_env
+from cli_runner import without_model_preset
 
 pytest.importorskip("gguf")
 from tiny_gguf import write_tiny_gguf  # noqa: E402  (needs gguf)
@@ -35,8 +36,8 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory) -> Path:
 
 def run_esft(*args: str, cwd: Path, cache: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**subprocess_env(), "ESFT_CACHE": str(cache), "PYTHONIOENCODING": "utf-8"}
-    return subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "esft.cli", *without_model_preset(args)], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def logits(model_dir: Path, text: str = "12+34=") -> torch.Tensor:
@@ -85,7 +86,7 @@ def test_a_gguf_model_that_cannot_load_is_one_line_and_exit_2(tiny_gguf, tmp_pat
         for module in shadow.glob("*.py"):
             module.unlink()
         (shadow / f"{package}.py").write_text(f"raise ImportError('No module named {package}')\n")
-        proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_gguf), *SMALL],
+        proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_gguf), *SMALL],
                               cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
         assert_user_error(proc, f"needs the {package} package", "pip install 'esft[gguf]'")
 
@@ -110,7 +111,7 @@ def test_a_gguf_file_transformers_cannot_read_is_one_line(case, tiny_gguf, tmp_p
     monkeypatch.setenv("ESFT_CACHE", str(tmp_path / "cache"))
     hostile = tmp_path / "hostile.gguf"
     hostile.write_bytes(HOSTILE_GGUF[case](tiny_gguf.read_bytes()))
-    code = main(["train", "--model", str(hostile), *SMALL, "--output-dir", str(tmp_path / "runs")])
+    code = main(["train", "--preset", "none", "--model", str(hostile), *SMALL, "--output-dir", str(tmp_path / "runs")])
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip() and "is a GGUF file:" not in line]
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"esft: error: {hostile} cannot be read as a GGUF model ("), lines[0]
@@ -243,7 +244,7 @@ def test_a_model_folder_that_cannot_be_fine_tuned_is_one_line_before_it_loads(ca
     edit, expected = BROKEN_FOLDERS[case]
     folder = _edited(tiny_model_dir, tmp_path / "model", edit)
     started = time.perf_counter()
-    code = main(["train", "--model", str(folder), "--iterations", "1", "--population-size", "2", "--eval-size", "4",
+    code = main(["train", "--preset", "none", "--model", str(folder), "--iterations", "1", "--population-size", "2", "--eval-size", "4",
                  "--max-tokens", "2", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path / "runs")])
     lines = [line for line in capfd.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("esft: error: --model: ") and str(folder) in lines[0], \

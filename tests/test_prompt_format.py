@@ -111,6 +111,26 @@ def test_the_times_table_holds_out_whole_pairs_in_every_phrasing():
     assert task.eval_datasets["heldout"][0]["prompt"] == [{"role": "user", "content": held[0]["question"]}]
 
 
+def test_word_problems_hold_out_whole_number_pairs_in_every_story_and_answer_by_the_story():
+    from esft.tasks.word_problems import ASK, STORIES
+
+    first, second = load_task("word-problems", seed=0), load_task("word-problems", seed=1)
+    held, train = first.eval_datasets["heldout"], first.train_dataset
+    assert (len(held), len(train)) == (38 * len(STORIES), 152 * len(STORIES)) and held == second.eval_datasets["heldout"]
+    assert [r["prompt"] for r in train] != [r["prompt"] for r in second.train_dataset]
+    held_pairs = {(r["a"], r["b"]) for r in held}
+    assert len(held_pairs) == 38 and not held_pairs & {(r["a"], r["b"]) for r in train}
+    for row in held + train:  # the answer follows the story: more, together and in add; away, left and blue take away
+        adds = any(word in row["question"] for word in (" more.", "together"))
+        assert int(row["target"]) == (row["a"] + row["b"] if adds else row["a"] - row["b"]) > 0
+        assert row["question"].endswith(ASK) and row["prompt"] == f"Question: {row['question']}\nAnswer:"
+    assert len(load_task("word-problems", eval_size=50).eval_datasets["heldout"]) == 50
+    assert {story.split(" ")[1] for story, _ in STORIES} <= {row["question"].split(" ")[1] for row in held[:60]}
+    task = load_task("word-problems")
+    format_prompts(task, "chat", tokenizer(True))
+    assert task.eval_datasets["heldout"][0]["prompt"] == [{"role": "user", "content": held[0]["question"]}]
+
+
 @pytest.mark.parametrize("completion, label, value", [
     ("423", "bare", 1.0), (" 423\n", "bare", 1.0), ("47 * 9 = 423", "correct", 1.0), ("1,423 no: 423", "correct", 1.0),
     ("47 * 9 = 433", "wrong", 0.0), ("423 is wrong, 424", "wrong", 0.0), ("To solve this problem", "no_number", 0.0),

@@ -26,6 +26,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_ray import SETTINGS, step, toy_task  # noqa: E402
 from tiny_model import subprocess_env  # noqa: E402
+from cli_runner import without_model_preset
 from toy_task import byte_reward, toy_rows  # noqa: E402
 
 from esft.engines.transformers_engine import TransformersEngine  # noqa: E402
@@ -166,7 +167,8 @@ def test_a_worker_node_lost_mid_iteration_the_run_goes_on_and_a_node_added_later
 
 def esft(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python -m esft.cli ARGS`, finished; tests/ importable (the reward function) here and on the actors."""
-    return subprocess.run([sys.executable, "-m", "esft.cli", *args], cwd=cwd, env=_env(), capture_output=True,
+    return subprocess.run([sys.executable, "-m", "esft.cli", *without_model_preset(args)], cwd=cwd, env=_env(),
+                          capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -195,7 +197,7 @@ def test_the_drivers_node_lost_the_last_checkpoint_is_complete_and_resume_on_a_n
 
     first = clusters(2)
     driver = subprocess.Popen(
-        [sys.executable, "-m", "esft.cli", "train", *run_args, "--executor", "ray", "--workers", "2",
+        [sys.executable, "-m", "esft.cli", "train", "--preset", "none", *run_args, "--executor", "ray", "--workers", "2",
          "--ray-address", first.address, "--run-name", "run"],
         cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     run = tmp_path / "run"

@@ -35,7 +35,7 @@ def lively_model_dir(tmp_path_factory) -> Path:
 
 def toy(model: Path, out: Path, *extra: str) -> list[str]:
     """`esft train` on the toy task (tests/toy_task.py registers it), tiny sizes."""
-    return [sys.executable, str(TESTS / "toy_task.py"), "train", "--model", str(model), "--task", "toy",
+    return [sys.executable, str(TESTS / "toy_task.py"), "train", "--preset", "none", "--model", str(model), "--task", "toy",
             "--population-size", "4", "--batch-size", "2", "--max-tokens", "6", "--eval-size", "4", "--train-size", "20",
             "--eval-batch-size", "4", "--sigma", "0.03", "--logging", "none", "--no-progress", "--output-dir", str(out),
             *extra]
@@ -434,7 +434,7 @@ def test_no_process_outlives_a_killed_trainer(tiny_model_dir, tmp_path, sig):
     data.write_text("".join(json.dumps({"prompt": f"Q{i}"}) + "\n" for i in range(4)))
     pids = tmp_path / "pids"
     trainer = subprocess.Popen(
-        [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(data),
+        [sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data", str(data),
          "--reward-funcs", f"{tmp_path / 'hanging.py'}:starts_sleep_and_hangs", "--population-size", "2",
          "--batch-size", "2", "--max-tokens", "2", "--iterations", "1", "--reward-timeout", "600", "--logging", "none",
          "--no-progress", "--output-dir", str(tmp_path / "runs")],
@@ -496,7 +496,7 @@ def test_a_run_whose_update_turns_non_finite_stops_with_its_last_finite_checkpoi
 def test_prompts_the_model_cannot_take_are_named_before_generation(tiny_model_dir, tmp_path, prompts, expected):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    proc = run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(data),
+    proc = run([sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data", str(data),
                 "--reward-funcs", f"{TESTS / 'sandbox_rewards.py'}:length_reward", "--max-tokens", "4",
                 "--output-dir", str(tmp_path / "runs"), "--run-name", "r"], tmp_path)
     one_error_line(proc, str(data), expected)
@@ -528,7 +528,7 @@ def test_a_tokenizer_that_does_not_match_the_weights_is_named_before_generation(
     model = mismatched_model(tmp_path / "model", kind)
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["abc", "a b", "fine"]))  # the space is id 222
-    proc = run([sys.executable, "-m", "esft.cli", "train", "--model", str(model), "--train-data", str(data),
+    proc = run([sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(model), "--train-data", str(data),
                 "--reward-funcs", f"{TESTS / 'sandbox_rewards.py'}:length_reward", "--max-tokens", "4",
                 "--output-dir", str(tmp_path / "runs"), "--run-name", "r"], tmp_path)
     line = one_error_line(proc, expected, "the tokenizer does not match the model's weights")
@@ -628,7 +628,7 @@ def test_eval_refuses_iterations(tmp_path):
 def test_data_problems_are_named_before_the_model_loads(tiny_model_dir, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    base = [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "runs"),
+    base = [sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--output-dir", str(tmp_path / "runs"),
             "--reward-funcs", f"{TESTS / 'sandbox_rewards.py'}:trl_uses_prompts_and_column"]
     one_error_line(run([*base, "--train-data", str(empty)], tmp_path), f"--train-data {empty}: has no rows")
     partial = tmp_path / "partial.jsonl"

@@ -100,7 +100,7 @@ def test_rewards_near_the_float_limit_stop_the_run_in_one_line(tiny_model_dir, t
     strategy.tell with a traceback and exit 1."""
     (tmp_path / "huge.py").write_text("def huge(prompts, completions, **kwargs):\n    return [1e308] * len(completions)\n")
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"{i} + {i} ="}) + "\n" for i in range(4)))
-    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data",
+    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data",
                            "rows.jsonl", "--reward-funcs", "huge.py:huge", "--iterations", "2", "--population-size", "2",
                            "--batch-size", "2", "--max-tokens", "4", "--logging", "none", "--no-progress", "--run-name", "r"],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)

@@ -44,7 +44,7 @@ def train(tmp_path: Path, model: Path, url: str, *extra: str, kill_pid: int = 0,
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     env = {**ENV, "CALLS_FILE": str(tmp_path / f"{name}.calls"), "KILL_AT_CALL": str(kill_at), "KILL_PID": str(kill_pid),
            "PYTHONPATH": f"{tmp_path}{os.pathsep}{ENV['PYTHONPATH']}"}
-    argv = [sys.executable, "-m", "esft.cli", "train", "--model", str(model), "--reward-funcs", "killer:length",
+    argv = [sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(model), "--reward-funcs", "killer:length",
             "--reward-url", url, "--train-data", "train.jsonl", "--eval-data", "train.jsonl", "--population-size", "2",
             "--batch-size", "2", "--max-tokens", "4", "--sigma", "0.03", "--no-reward-sandbox", "--logging", "none",
             "--save-every", "1", "--run-name", name, *(() if progress else ("--no-progress",)), *extra]

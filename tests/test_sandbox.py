@@ -188,7 +188,7 @@ def test_training_continues_through_crashes_and_hangs(tiny_model_dir, tmp_path):
     env = subprocess_env()
     funcs = ",".join(f"{TESTS / 'sandbox_rewards.py'}:{name}" for name in ("misbehaves_on_prompt", "length_reward"))
     proc = subprocess.run(
-        [sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data", str(data),
+        [sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data", str(data),
          "--eval-data", str(tmp_path / "eval.jsonl"), "--reward-funcs", funcs,
          "--population-size", "2", "--batch-size", "1", "--iterations", "4", "--max-tokens", "3", "--reward-timeout", "1",
          "--failure-reward", "-5", "--logging", "none", "--no-progress", "--save-every", "0", "--output-dir",

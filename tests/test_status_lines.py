@@ -40,7 +40,7 @@ def _lines(stderr: str) -> list[str]:
 def _train(tmp_path: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
     (tmp_path / "rewards.py").write_text(REWARDS)
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"prompt": f"Q{i}:"}) + "\n" for i in range(4)))
-    return subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(model), "--train-data", "rows.jsonl",
+    return subprocess.run([sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(model), "--train-data", "rows.jsonl",
                            "--reward-funcs", "rewards.py:flaky", "--no-reward-sandbox", "--population-size", "2",
                            "--batch-size", "2", "--max-tokens", "4", "--logging", "none", *extra],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
@@ -71,7 +71,7 @@ def test_an_unreachable_ray_address_is_one_line(tiny_model_dir, tmp_path):
     (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "Q:"}) + "\n")
     (tmp_path / "rewards.py").write_text(REWARDS)
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--model", str(tiny_model_dir), "--train-data",
+    proc = subprocess.run([sys.executable, "-m", "esft.cli", "train", "--preset", "none", "--model", str(tiny_model_dir), "--train-data",
                            "rows.jsonl", "--reward-funcs", "rewards.py:flaky", "--executor", "ray", "--ray-address",
                            f"127.0.0.1:{port}", "--logging", "none", "--no-progress"],
                           cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=90)

@@ -28,6 +28,7 @@ from esft.tasks.loading import chatml, load_splits, render_prompt
 from esft.tasks.math_grading import gold_answers, grade, last_boxed, normalize
 from esft.tasks.math_task import SYSTEM_PROMPT, grade_all, math_reward
 from tiny_model import build_tokenizer, subprocess_env
+from cli_runner import without_model_preset
 
 ROOT = Path(__file__).parent.parent
 EXAMPLE = ROOT / "examples" / "byo_task"
@@ -37,7 +38,7 @@ TINY = ["--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--e
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
-    code = main(argv)
+    code = main(without_model_preset(argv))
     return code, capsys.readouterr().err
 
 
@@ -383,7 +384,7 @@ def test_readme_example_commands_run(tiny_model_dir, tmp_path):
     env = subprocess_env()
     results = []
     for index, command in enumerate(commands):
-        proc = subprocess.run([sys.executable, "-m", "esft.cli", *command[1:], "--model", str(tiny_model_dir), *TINY,
+        proc = subprocess.run([sys.executable, "-m", "esft.cli", *without_model_preset([*command[1:], "--model", str(tiny_model_dir)]), *TINY,
                                "--iterations", "2", "--output-dir", str(tmp_path), "--run-name", f"r{index}"],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr

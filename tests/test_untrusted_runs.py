@@ -20,6 +20,7 @@ import yaml
 
 from test_security import ENV, TESTS, copy_run, edit_state, one_error_line, small_run  # noqa: F401 - a fixture
 from test_security import esft as security_esft, esft_process as security_esft_process
+from cli_runner import without_model_preset
 
 API_KEY = "sekrit-key-of-the-user"
 HANG = 120
@@ -215,7 +216,8 @@ def test_your_own_run_resumes_without_the_opt_in_and_nobody_elses_does(tiny_mode
     mine, theirs = tmp_path / "cache-mine", tmp_path / "cache-theirs"
 
     def run(cache: Path, *argv: str, cwd: Path = tmp_path) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "esft", *argv], cwd=cwd, capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "esft", *without_model_preset(argv)], cwd=cwd, capture_output=True,
+                              text=True,
                               env={**ENV, "ESFT_CACHE": str(cache)}, timeout=300)
 
     small = ("--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-batch-size", "2",
@@ -306,8 +308,9 @@ def test_a_run_killed_while_its_model_loads_can_be_resumed(tiny_model_dir, tmp_p
     import signal
     import time
 
-    argv = [sys.executable, str(TESTS / "toy_task.py"), "train", "--model", str(tiny_model_dir), "--task", "toy",
-            "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "2", "--train-size", "8",
+    argv = [sys.executable, str(TESTS / "toy_task.py"), "train", "--preset", "none", "--model", str(tiny_model_dir),
+            "--task", "toy", "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--eval-size", "2",
+            "--train-size", "8",
             "--eval-batch-size", "2", "--logging", "none", "--no-progress", "--output-dir", str(tmp_path),
             "--run-name", "killed", "--iterations", "1"]
     proc = subprocess.Popen(argv, cwd=tmp_path, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

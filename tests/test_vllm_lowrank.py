@@ -138,6 +138,24 @@ def test_population_matches_transformers_over_updates_with_fresh_adapters(lowran
     assert engine.generate(PROMPTS) == reference.generate(PROMPTS)
 
 
+def test_sampled_rollouts_draw_each_prompts_noise_from_its_text_on_vllm(lowrank):
+    """--rollout-temperature on vLLM: each request is seeded from its prompt's text (common random numbers), so a
+    prompt samples the same completion in any position, every member at σ = 0 samples what the base samples, and
+    another rollout seed samples otherwise."""
+    from esft.engines.base import Sampling
+
+    engine, _, _ = lowrank
+    sampled = lambda seed: Sampling(1.0, 1.0, 1, seed, common_noise=True)  # noqa: E731
+    alone = engine.generate(PROMPTS, sampling=sampled(7)).texts
+    assert engine.generate(PROMPTS[::-1] + PROMPTS[:1], sampling=sampled(7)).texts == alone[::-1] + alone[:1]
+    assert alone != engine.generate(PROMPTS).texts  # sampled, not greedy
+    assert alone != engine.generate(PROMPTS, sampling=sampled(8)).texts
+    members = engine.generate_population(PROMPTS, [11, 12], 0.0, sampling=sampled(7))
+    assert [member.texts for member in members] == [alone, alone]
+    perturbed = engine.generate_population(PROMPTS, [11, 12], SIGMA, sampling=sampled(7))
+    assert perturbed[0].texts != perturbed[1].texts  # members differ by their perturbations only
+
+
 @pytest.mark.slow
 def test_cli_trains_the_demo_with_vllm_lowrank_adapters(tmp_path):
     """`esft train --engine vllm --noise lowrank` on the embedded model's Countdown demo, a tiny budget

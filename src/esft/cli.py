@@ -15,8 +15,8 @@ from typing import Any
 
 from esft.models.prepared import add_prepare_parser, prepare_command
 from esft.sigma_scan import SCAN_OPTIONS, SCAN_SUMMARY, add_scan_arguments, run_scan
-from esft.settings.config import DEMO_PRESET, GROUPS, ConfigError, ESConfig
-from esft.settings.demo import demo_preset_for, preset_flags
+from esft.settings.config import DEMO_PRESET, GROUPS, MODEL_PRESET, ConfigError, ESConfig
+from esft.settings.presets import PRESET_CHOICES, PRESET_NAMES, PRESET_WHY, preset_for, preset_flags
 from esft.runs.checkpoint import CheckpointError
 from esft.runs.eval_origin import check_evaluated_weights, run_settings_of, settings_line
 from esft.runs.inherited import InheritedSettingsError, check_inherited, settings_of_run
@@ -79,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         description = summary
         if name == "train":
             description += (f" Demo preset: on the embedded model's Countdown demo (no data or reward of yours) train "
-                            f"uses {preset_flags(DEMO_PRESET)} as defaults (same accuracy gain, faster; docs/benchmarks.md); "
-                            "each flag you give overrides its own value. The defaults below are otherwise the paper's.")
+                            f"uses {preset_flags(DEMO_PRESET)} as defaults (same accuracy gain, faster; docs/benchmarks.md). "
+                            f"Model preset: on any other model, ES uses {preset_flags(MODEL_PRESET)} as defaults (the "
+                            "design that learned most per completion across tasks on SmolLM2; docs/models.md). Each flag "
+                            "you give overrides its own value. The defaults below are otherwise the paper's.")
         sub = commands.add_parser(name, help=summary, description=description)
         sub.add_argument("--config", metavar="YAML", help="YAML file of settings (keys as the flags, with - or _); flags override it.", default=argparse.SUPPRESS)
         groups = {group: sub.add_argument_group(group) for group in GROUPS}
@@ -98,6 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
                 group.add_argument(flag, type=_flag_type(field.type), metavar=field.name.upper(), help=help_text, default=argparse.SUPPRESS)
         if name == "sigma-scan":
             add_scan_arguments(sub)
+        if name == "train":
+            sub.add_argument("--preset", choices=PRESET_CHOICES, default=argparse.SUPPRESS,
+                             help="auto: the demo preset on the demo, the model preset on any other model (above), as "
+                                  "defaults; none: no preset, the defaults below (the paper's). Also a --config key. "
+                                  "[default: auto]")
     _add_report_parser(commands)
     _add_serve_reward(commands)
     add_prepare_parser(commands)
@@ -184,6 +191,9 @@ def _read_yaml(path: str) -> dict[str, Any]:
     settings = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name == "preset":  # esft train's --preset, not a setting of the run (resolve_config reads it)
+            settings[name] = value
+            continue
         if name not in fields:
             raise UserError(f"--config {path}: {unknown_setting(str(key), list(fields))}")
         settings[name] = _coerce_number(value, fields[name].type)
@@ -217,13 +227,16 @@ def _one_line(text: str) -> str:
 
 def resolve_config(command: str, given: dict[str, Any]):
     """checkpoint's config (when resuming; for eval: the evaluated run's) < --config YAML < flags.
-    Returns (ESConfig, the demo preset's settings that `train` added, the ResumePoint or None)."""
+    Returns (ESConfig, (the preset `train` added: "demo", "model" or None, its settings), the ResumePoint or None)."""
     from esft.runs.directory import ResumeError, find_resume_point
 
     settings: dict[str, Any] = {}
     inherited: dict[str, Any] = {}
     yaml_path = given.pop("config", None)
     from_yaml = _read_yaml(yaml_path) if yaml_path else {}
+    wanted = given.pop("preset", from_yaml.pop("preset", "auto"))  # esft train's, not a setting of the run
+    if wanted not in PRESET_CHOICES:
+        raise UserError(f"--config {yaml_path}: preset: must be one of {', '.join(PRESET_CHOICES)}, got {wanted!r}")
     if command == "eval" and (given.get("resume") or from_yaml.get("resume")):
         checkpoint = given.get("resume") or from_yaml.get("resume")
         raise UserError(f"--resume: to evaluate a checkpoint, pass it as the model: esft eval --model {checkpoint}")
@@ -262,7 +275,8 @@ def resolve_config(command: str, given: dict[str, Any]):
         signed, named = (point.signed, point.named_files) if point is not None else (signed, named)
         check_inherited(inherited, set(from_yaml) | set(given), bool(settings.get("trust_run_code")), where, signed,
                         named)
-    preset, dropped = demo_preset_for(settings) if command == "train" and not point else ({}, [])
+    presets = command == "train" and not point and wanted == "auto"
+    which, preset, dropped = preset_for(settings) if presets else (None, {}, [])
     for line in dropped:
         print(f"esft: {line}", file=sys.stderr)
     settings |= preset
@@ -271,7 +285,7 @@ def resolve_config(command: str, given: dict[str, Any]):
             raise UserError(f"--config {yaml_path}: iterations: esft eval does not train; use esft train")
         settings["iterations"] = 0
     try:
-        return ESConfig(**settings), preset, point
+        return ESConfig(**settings), (which, preset), point
     except ConfigError as error:
         raise UserError(str(error) + (f" (settings from {yaml_path})" if yaml_path and error.name in from_yaml else "")) from None
 
@@ -334,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve-reward":
             return _serve_reward(given)
         ensemble = record_path(given["model"]) if args.command == "eval" and given.get("model") else None
-        config, preset, point = resolve_config(args.command, given)
+        config, (which, preset), point = resolve_config(args.command, given)
         if args.command == "sigma-scan":
             return run_scan(config, scan_options)
         from esft.allocator import steady_allocator
@@ -359,14 +373,14 @@ def main(argv: list[str] | None = None) -> int:
             if run is not None:
                 run.discard_if_unused()
             if preset and getattr(error, "name", None) in preset:  # the user never typed that flag
-                raise UserError(f"{error} (set by the demo preset {preset_flags(preset)}; give the flag yourself, e.g. "
-                                "--noise iid for the paper's full-rank noise or --no-population-batching)") from None
+                raise UserError(f"{error} (set by the {PRESET_NAMES[which]} {preset_flags(preset)}; give the flag "
+                                "yourself, e.g. --noise iid for the paper's full-rank noise)") from None
             raise UserError(str(error)) from None
         if args.command == "eval":  # every time: which task, data, size and tokens these numbers are for
             print(settings_line(config), file=sys.stderr)
-        if preset:
-            print(f"esft: demo preset: {preset_flags(preset)} (the fastest setting that keeps the demo's accuracy gain; "
-                  "a flag you give overrides its value, --noise iid gives the paper's full-rank noise)", file=sys.stderr)
+        if preset:  # once the trainer is built: bad input before it stays one error line
+            print(f"esft: {PRESET_NAMES[which]}: {preset_flags(preset)} ({PRESET_WHY[which]}; a flag you give overrides "
+                  "its value)", file=sys.stderr)
         try:
             final = trainer.train()
         except (TaskError, ConfigError, CheckpointError, NonFiniteWeights) as error:

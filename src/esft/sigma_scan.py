@@ -10,24 +10,19 @@ import dataclasses
 import json
 import os
 import sys
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from esft.es.step_rules import default_alpha
 from esft.files import nearest_existing, write_text_atomic
-from esft.loop import sigma_ladder
 from esft.loop.sigma_ladder import LADDER, SCAN_MEMBERS, SCAN_PROMPTS, ScanResult
 
 
 def write_outputs(result: ScanResult, out: Path, settings: dict[str, Any]) -> tuple[Path, Path]:
     """sigma-scan.json (the table, the rule's verdict, the settings scanned) and sigma-scan.png, atomically."""
     out.mkdir(parents=True, exist_ok=True)
-    record = {"recommended_sigma": result.recommended,
-              "recommended_alpha": None if result.recommended is None else result.recommended / 2,
-              "verdict": result.verdict, "rule": sigma_ladder.RULE,
-              "base": {"reward": result.base_reward, "garbled": result.base_garbled},
-              "members": result.members, "prompts": result.prompts, "steps": [asdict(step) for step in result.steps],
-              "settings": settings}
+    alpha = None if result.recommended is None else default_alpha(result.recommended, settings["step_rule"])
+    record = {**result.record(), "recommended_alpha": alpha, "settings": settings}
     json_path = out / "sigma-scan.json"
     write_text_atomic(json_path, json.dumps(record, indent=2) + "\n")
     return json_path, _plot(result, out / "sigma-scan.png")
@@ -144,7 +139,8 @@ def run_scan(config, options: dict[str, Any]) -> int:
     print(result.table())
     print(result.verdict)
     settings = {key: value for key, value in config.to_dict().items()
-                if key in ("model", "task", "train_data", "reward_funcs", "noise", "rank", "max_tokens", "seed", "dtype")}
+                if key in ("model", "task", "train_data", "reward_funcs", "noise", "rank", "max_tokens", "seed", "dtype",
+                           "step_rule")}
     json_path, png_path = write_outputs(result, Path(options["out"]), settings)
     print(f"written: {json_path}, {png_path}")
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -13,9 +14,9 @@ import numpy as np
 
 from esft.es import schedules
 from esft.es.optimizers import coefficient_alpha
-from esft.es.step_rules import alpha_for_strategy
+from esft.es.step_rules import alpha_for_strategy, default_alpha
 from esft.es.strategies import STRATEGIES, ESState
-from esft.es.batches import prompt_batch
+from esft.es.batches import prompt_batch, rollout_seed
 from esft.es.groups import prompt_groups, prompts_of_members
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.settings.config import ESConfig, es_config, model_path, settings_for
@@ -25,7 +26,7 @@ from esft.loop.iteration_metrics import budget_spent, iteration_row, nothing_to_
 from esft.loop.member_fitness import fitness_of
 from esft.loop.reward_faults import count_failures, failure_summary, skip_failing, stop_if_unscorable, stop_if_unshapeable
 from esft.engines import build_engine
-from esft.engines.base import NonFiniteWeights, optional
+from esft.engines.base import NonFiniteWeights, Sampling, optional
 from esft.engines.logprobs import cpu_float32_copy
 from esft.engines.master_weights import resolve_master_weights
 from esft.engines.lora import export_merged, uses_adapter
@@ -35,7 +36,7 @@ from esft.loop.learning_signal import LearningWatch
 from esft.loop import sigma_ladder
 from esft.loop.sigma_ladder import LADDER, SCAN_MEMBERS, SCAN_PROMPTS, ScanResult
 from esft.executors import ExecutorSettings, build_executor
-from esft.files import directory_written_atomically
+from esft.files import directory_written_atomically, write_text_atomic
 from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
@@ -119,6 +120,8 @@ class ESTrainer:
         self._trained = False  # train() was called: a second call continues the run (train's docstring)
         self._result: dict[str, float] = {}
         self.closed = False  # close() was called: the engine is gone
+        self.sigma_scan: ScanResult | None = None
+        """--sigma auto: what the ladder measured (sigma-scan.json in the run directory)."""
         if args.sigma == "auto" and args.iterations > 0:  # measured on this model and data before anything trains
             self._choose_sigma()
 
@@ -149,7 +152,8 @@ class ESTrainer:
                                  self.args.eval_batch_size, said)
 
     def _choose_sigma(self) -> None:
-        """--sigma auto: the ladder's recommendation becomes σ (and α = σ/2 unless --alpha was given), said in
+        """--sigma auto: the ladder's recommendation becomes σ (and α its default, esft.es.step_rules.default_alpha,
+        unless --alpha was given), said in
         one line; none (no σ moves the members without collapse) stops with the ladder's verdict."""
         args = self.args
         point = self.run.resume if self.run is not None else None
@@ -161,8 +165,10 @@ class ESTrainer:
             raise TaskError(f"--sigma auto: {result.verdict}; give --sigma yourself (esft sigma-scan shows the ladder)")
         given_alpha = args.alpha is not None
         args.sigma = result.recommended
-        args.alpha = args.alpha if given_alpha else args.sigma / 2
-        step = f"--alpha {args.alpha:g} as given" if given_alpha else f"α = σ/2 = {args.alpha:g}"
+        args.alpha = args.alpha if given_alpha else default_alpha(args.sigma, args.step_rule)
+        rule = "σ/(2√8)" if args.step_rule == "sqrt_n" else "σ/2"
+        step = f"--alpha {args.alpha:g} as given" if given_alpha else f"α = {rule} = {args.alpha:g}"
+        self.sigma_scan = result  # written into the run directory as sigma-scan.json when the run begins
         chosen = next(s for s in result.steps if s.sigma == result.recommended)
         print(f"esft: --sigma auto: σ = {args.sigma:g}, {step}; of σ = {', '.join(f'{s:g}' for s in LADDER)} on "
               f"{result.members} members × {result.prompts} training prompts, {sigma_ladder.why_chosen(chosen)}",
@@ -306,6 +312,8 @@ class ESTrainer:
             start = point.iteration
         self.run.set_aside_later()  # what a resumed run did after its resume point (esft.runs.directory)
         self.run.write_config(args)
+        if self.sigma_scan is not None:  # --sigma auto: the ladder's table beside the σ config.yaml records
+            write_text_atomic(self.run_dir / "sigma-scan.json", json.dumps(self.sigma_scan.record(), indent=2) + "\n")
         self._began = True
         if point is not None and point.checkpoint is not None:
             for skipped in point.skipped:
@@ -381,9 +389,18 @@ class ESTrainer:
         all), group after group, and the batch index of the prompt each member's samples answered."""
         groups = prompt_groups(len(seeds), self.args.batch_size, self.args.prompt_groups)
         batch = self._batch(self.state.iteration)
+        sampling = self._rollout_sampling(self.state.iteration)
         members = [member for group in groups for member in self.executor.evaluate_population(
-            [seeds[i] for i in group.members], batch.part(group.prompts), sigma)]
+            [seeds[i] for i in group.members], batch.part(group.prompts), sigma, sampling)]
         return members, prompts_of_members(groups)
+
+    def _rollout_sampling(self, iteration: int) -> Sampling | None:
+        """--rollout-temperature > 0: members' completions sampled with common random numbers (Sampling.common_noise),
+        seeded per iteration (esft.es.batches.rollout_seed); else None, greedy."""
+        temperature = self.args.rollout_temperature
+        if not temperature:
+            return None
+        return Sampling(temperature, 1.0, 1, rollout_seed(self.args.seed, iteration), common_noise=True)
 
     def _stop_if_unscorable(self, batches: Sequence[Scores]) -> None:
         """esft.loop.reward_faults.stop_if_unscorable for this iteration."""

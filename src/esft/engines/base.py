@@ -60,10 +60,22 @@ class Sampling:
     """Completions per prompt; Generation lists them prompt by prompt (n consecutive entries)."""
     seed: int = 0
     """Seeds the sampler, so sampled evaluations are reproducible."""
+    common_noise: bool = False
+    """Common random numbers (ES's sampled rollouts, --rollout-temperature): a completion's sampling noise is a
+    function of (seed, its prompt's text, the step) alone (`prompt_noise_seed`), so every member, copy, call and
+    engine draws the same numbers on a prompt and members' completions differ only by their perturbations.
+    One completion per prompt (n = 1)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def prompt_noise_seed(seed: int, prompt: str) -> int:
+    """The seed of a prompt's sampling noise under Sampling.common_noise: a digest of (seed, the prompt's text),
+    equal in every process and engine (63 bits: vLLM's and torch's generators take it)."""
+    digest = hashlib.blake2b(f"{seed}\0{prompt}".encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 class NoTrainableParameters(ValueError):
@@ -236,5 +248,6 @@ class PopulationEngine(Protocol):
         """Why this engine cannot evaluate its members batched now (noise, set-up), or None."""
 
     def generate_population(self, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float,
-                            mini_batch_size: int | None = None) -> list[Generation]:
-        """Greedy completions of `prompts` for every member (one Generation per member, prompts in order)."""
+                            mini_batch_size: int | None = None, sampling: Sampling | None = None) -> list[Generation]:
+        """Greedy completions of `prompts` for every member (one Generation per member, prompts in order), or
+        sampled with common random numbers where `sampling` says so (Sampling.common_noise)."""

@@ -15,7 +15,8 @@ This loop calls the model's own forward (any Hugging Face causal LM) with three 
   model's own.
 
 Completions are those of greedy `generate` (argmax at every step, EOS ends a row, left padding
-with position ids from the attention mask); tests compare the two token for token.
+with position ids from the attention mask); tests compare the two token for token. With a `pick`
+(CommonNoise: ES's sampled rollouts with common random numbers) each step's token is sampled instead.
 """
 
 from __future__ import annotations
@@ -125,8 +126,36 @@ def contiguous_head_input(model):
         handle.remove()
 
 
+class CommonNoise:
+    """Sampling at `temperature` (and nucleus `top_p`) by the Gumbel-max trick, argmax(logits/T + g), whose
+    Gumbel noise g for row i at step t is the t-th draw of a generator seeded with `seeds[i]`
+    (esft.engines.base.prompt_noise_seed of the row's prompt): rows of one prompt draw the same numbers whatever
+    their member, position, call or batch, so under the same logits they write the same tokens, and members of a
+    population differ only by their perturbations (common random numbers). One draw over the vocabulary per row
+    and step, on the CPU (the same numbers on every device)."""
+
+    def __init__(self, seeds: Sequence[int], temperature: float, top_p: float = 1.0):
+        if not temperature > 0:
+            raise ValueError(f"CommonNoise samples at a temperature > 0, got {temperature}")
+        self.generators = [torch.Generator().manual_seed(int(seed)) for seed in seeds]
+        self.temperature, self.top_p = temperature, top_p
+
+    def __call__(self, logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The token of each of `rows` (indices into `seeds`) from its `logits` (rows × vocabulary)."""
+        vocab = logits.shape[-1]
+        uniform = torch.stack([torch.rand(vocab, generator=self.generators[row]) for row in rows.tolist()])
+        gumbel = -torch.log(-torch.log(uniform.clamp_(min=torch.finfo(torch.float32).tiny)))
+        scores = logits.float() / self.temperature
+        if self.top_p < 1.0:  # keep the smallest set of tokens whose probability reaches top_p (the first always)
+            ordered, order = scores.sort(-1, descending=True)
+            probabilities = ordered.softmax(-1)
+            before = probabilities.cumsum(-1) - probabilities
+            scores = scores.scatter(-1, order, ordered.masked_fill(before >= self.top_p, float("-inf")))
+        return (scores + gumbel.to(scores.device)).argmax(-1)
+
+
 @torch.no_grad()
-def decode_greedy(
+def decode(
     model,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
@@ -134,10 +163,13 @@ def decode_greedy(
     eos_token_ids: Sequence[int],
     min_new_tokens: int = 0,
     on_rows: Callable[[torch.Tensor], None] | None = None,
+    pick: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> list[list[int]]:
     """Greedy completions of a left-padded batch: per row, the generated token ids up to and
     including its first EOS (or `max_new_tokens` of them). `min_new_tokens` forbids EOS before that
-    many tokens (benchmarks use it to force equal lengths)."""
+    many tokens (benchmarks use it to force equal lengths). `pick(logits, rows)` (CommonNoise), when
+    given, chooses each step's tokens instead of the argmax: `rows` are the original indices of the
+    rows still running."""
     batch, prompt_length = input_ids.shape
     device = input_ids.device
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
@@ -165,7 +197,7 @@ def decode_greedy(
             logits = model(**inputs).logits[:, -1]
             if step < min_new_tokens:
                 logits[:, eos] = float("-inf")
-            chosen = logits.argmax(-1)
+            chosen = logits.argmax(-1) if pick is None else pick(logits, active)
             tokens[active, step] = torch.where(finished, tokens[active, step], chosen)
             ended = torch.isin(chosen, eos) & ~finished
             lengths[active[ended]] = step + 1

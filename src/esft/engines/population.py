@@ -36,7 +36,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from esft.engines.base import Generation, PopulationEngine, generation_from_tokens, perturbed
+from esft.engines.base import Generation, PopulationEngine, Sampling, generation_from_tokens, perturbed
 from esft.engines.member_rows import MemberRows, PopulationBatchingError, add_rows, member_linear
 from esft.engines.shared_product import SharedProduct, input_groups, standard_strides
 from esft.es.lowrank import stacked_factors
@@ -245,14 +245,17 @@ def members_per_call(engine, members: int, prompts: Sequence[str]) -> int:
 @torch.no_grad()
 def generate_population(
     engine, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float, mini_batch_size: int | None = None,
-    group: int | None = None,
+    group: int | None = None, sampling: Sampling | None = None,
 ) -> list[Generation]:
     """Greedy completions of `prompts` for every member (one Generation per member, prompts in
     order), `group` members (default: members_per_call) in each generate call; `mini_batch_size`
-    prompts (× members rows) per call. An engine that batches its own members (PopulationEngine) is
-    handed the whole population."""
+    prompts (× members rows) per call; sampled with common random numbers where `sampling` says so
+    (Sampling.common_noise). An engine that batches its own members (PopulationEngine) is handed the
+    whole population."""
     if isinstance(engine, PopulationEngine):
-        return engine.generate_population(prompts, member_seeds, sigma, mini_batch_size)
+        if sampling is None:  # greedy: the call an engine written before sampled rollouts takes
+            return engine.generate_population(prompts, member_seeds, sigma, mini_batch_size)
+        return engine.generate_population(prompts, member_seeds, sigma, mini_batch_size, sampling)
     check_population_batching(engine)
     population_class = _population_class(engine)
     results = [Generation(texts=[], num_tokens=[], token_ids=[]) for _ in member_seeds]
@@ -260,7 +263,8 @@ def generate_population(
     for first in range(0, len(member_seeds), group):
         seeds = member_seeds[first : first + group]
         with population_class(engine, seeds, sigma) as population:
-            for rows in engine.generated_chunks(prompts, mini_batch_size, copies=len(seeds), on_rows=population.set_rows):
+            for rows in engine.generated_chunks(prompts, mini_batch_size, copies=len(seeds), on_rows=population.set_rows,
+                                                sampling=sampling):
                 population.set_rows(None)
                 chunk = len(rows) // len(seeds)
                 for member, result in enumerate(results[first : first + group]):

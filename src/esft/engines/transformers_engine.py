@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from esft.es import lowrank
-from esft.engines.decoding import contiguous_head_input, decode_greedy
+from esft.engines.decoding import CommonNoise, contiguous_head_input, decode
 from esft.engines.base import (
     Generation,
     NoTrainableParameters,
@@ -35,6 +35,7 @@ from esft.engines.base import (
     check_optimizer_state,
     generation_from_tokens,
     master_checksum,
+    prompt_noise_seed,
     resolve_device,
     torch_dtype,
 )
@@ -404,6 +405,9 @@ class TransformersEngine:
         from transformers import GenerationConfig
 
         sampling = sampling or Sampling()
+        if sampling.common_noise and not sampling.greedy:  # ES's sampled rollouts: through esft's decoder
+            rows = [row for chunk in self.generated_chunks(prompts, mini_batch_size, sampling=sampling) for row in chunk]
+            return generation_from_tokens(rows, self.eos_token_ids, self.tokenizer)
         config = self.greedy
         if not sampling.greedy:
             config = GenerationConfig(**{**self.greedy.to_dict(), "do_sample": True, "temperature": sampling.temperature,
@@ -418,12 +422,14 @@ class TransformersEngine:
 
     @torch.no_grad()
     def generated_chunks(self, prompts: Sequence[str], mini_batch_size: int | None = None, config=None, copies: int = 1,
-                         on_rows=None):
+                         on_rows=None, sampling: Sampling | None = None):
         """Per call of `mini_batch_size` (default: the engine's) prompts, the generated token rows
         (prompt cut off). Greedy (`config` None) through esft.engines.decoding, which drops finished
-        rows as it goes and tells `on_rows(active rows)`; sampling through `model.generate`. With
-        `copies` > 1 each call holds that many copies of its prompts, copy-major (rows [c·P, (c+1)·P)
-        are copy c): population batching's layout."""
+        rows as it goes and tells `on_rows(active rows)`, or sampled there with common random numbers
+        (`sampling` with common_noise: esft.engines.decoding.CommonNoise); other sampling through
+        `model.generate`. With `copies` > 1 each call holds that many copies of its prompts, copy-major
+        (rows [c·P, (c+1)·P) are copy c): population batching's layout."""
+        common = sampling is not None and sampling.common_noise and not sampling.greedy
         encoded = self._encode(prompts)
         prompt_length = encoded["input_ids"].shape[1]
         # a sampled call returns num_return_sequences rows per prompt copy: auto sizes for all of them
@@ -435,10 +441,15 @@ class TransformersEngine:
             if copies > 1:
                 ids, mask = ids.repeat(copies, 1), mask.repeat(copies, 1)
             if config is None:
-                yield decode_greedy(self.model, ids, mask, self.max_tokens, self.eos_token_ids, self.min_new_tokens,
-                                    on_rows=None if on_rows is None else lambda active, n=len(ids) // copies: on_rows(active, n))
+                pick = None
+                if common:  # each row's noise from its prompt's text: the same for every copy (member) of a prompt
+                    seeds = [prompt_noise_seed(sampling.seed, prompt) for prompt in prompts[start : start + size]]
+                    pick = CommonNoise(seeds * copies, sampling.temperature, sampling.top_p)
+                yield decode(self.model, ids, mask, self.max_tokens, self.eos_token_ids, self.min_new_tokens,
+                                    on_rows=None if on_rows is None else lambda active, n=len(ids) // copies: on_rows(active, n),
+                                    pick=pick)
             else:
-                with contiguous_head_input(self.model):  # as decode_greedy: the head's product once, not per row
+                with contiguous_head_input(self.model):  # as decode: the head's product once, not per row
                     rows = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
                 yield rows[:, prompt_length:].tolist()
 

@@ -38,11 +38,12 @@ from esft.engines.base import (
     check_coefficients,
     check_optimizer_state,
     generation_from_tokens,
+    prompt_noise_seed,
     torch_dtype,
 )
 from esft.engines.vllm_adapters import adapter_trainable, member_request, smallest_lora_rank, unpack_state
 from esft.engines.vllm_worker import from_bytes, to_bytes
-from esft.es.noise import LOW_RANK_SCHEMES, perturbs
+from esft.es.noise import LOW_RANK_SCHEMES, NOISE_SCHEMES, perturbs
 from esft.es.update import UpdateResult
 
 EXTENSION = "esft.engines.vllm_worker.ESWorkerExtension"
@@ -151,8 +152,8 @@ class VLLMEngine:
         optimizer (None: the engine's; its state starts fresh); the float32 master is rebuilt from the current weights. Low-rank noise on an engine with
         LoRA: the matrices vLLM serves as LoRA (linear layers) by default, and only those
         (esft.engines.vllm_adapters.adapter_trainable); its one line says what is frozen."""
-        if noise not in ("iid", "correlated", "lowrank"):
-            raise ValueError(f"the vLLM engine supports --noise iid, correlated and lowrank, not {noise!r}")
+        if noise not in NOISE_SCHEMES:
+            raise ValueError(f"the vLLM engine supports --noise {', '.join(NOISE_SCHEMES)}, not {noise!r}")
         pattern = re.compile(trainable) if trainable else None
         self.trainable = [
             (index, name, shape) for index, name, shape in self.hf_params
@@ -282,7 +283,7 @@ class VLLMEngine:
         batches requests itself."""
         from vllm.inputs import TokensPrompt
 
-        params = self._sampling_params(sampling or Sampling())
+        params = self._sampling_params(sampling or Sampling(), prompts)
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         outputs = self._llm_generate([TokensPrompt(prompt_token_ids=row) for row in ids], params)
         rows = [completion.token_ids for output in outputs for completion in output.outputs]
@@ -294,20 +295,28 @@ class VLLMEngine:
         self.generate_log.append((len(rows), adapters))
         return self.llm.generate(rows, params, use_tqdm=False, lora_request=lora_requests)
 
-    def _sampling_params(self, sampling: Sampling):
+    def _sampling_params(self, sampling: Sampling, row_prompts: Sequence[str]):
+        """vLLM's SamplingParams for rows of `row_prompts`: one for all, or with common random numbers
+        (Sampling.common_noise) one per row, seeded from its prompt's text (vLLM then draws each row's noise
+        from a generator of that seed: the same numbers for every member on a prompt)."""
         from vllm import SamplingParams
 
-        return SamplingParams(
-            n=sampling.n,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            top_k=0 if sampling.greedy else -1,
-            seed=None if sampling.greedy else sampling.seed,
-            max_tokens=self.max_tokens,
-            stop_token_ids=list(self.eos_token_ids),
-            repetition_penalty=1.0,
-            detokenize=False,
-        )
+        def params(seed: int | None):
+            return SamplingParams(
+                n=sampling.n,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=0 if sampling.greedy else -1,
+                seed=seed,
+                max_tokens=self.max_tokens,
+                stop_token_ids=list(self.eos_token_ids),
+                repetition_penalty=1.0,
+                detokenize=False,
+            )
+
+        if sampling.common_noise and not sampling.greedy:
+            return [params(prompt_noise_seed(sampling.seed, prompt)) for prompt in row_prompts]
+        return params(None if sampling.greedy else sampling.seed)
 
     # ------------------------------------------------------------- population
     def population_problem(self) -> str | None:
@@ -320,11 +329,12 @@ class VLLMEngine:
         return None
 
     def generate_population(self, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float,
-                            mini_batch_size: int | None = None) -> list[Generation]:
-        """Greedy completions of `prompts` for every member, members served as LoRA adapters built
-        in the workers from their seeds (esft.engines.vllm_adapters): ONE generate over members ×
-        prompts; vLLM's scheduler runs up to max_loras adapters per step. The base weights are the
-        master (no perturb/restore). Each member gets a fresh adapter id and name, never reused."""
+                            mini_batch_size: int | None = None, sampling: Sampling | None = None) -> list[Generation]:
+        """Greedy completions of `prompts` for every member (sampled with common random numbers where
+        `sampling` says so), members served as LoRA adapters built in the workers from their seeds
+        (esft.engines.vllm_adapters): ONE generate over members × prompts; vLLM's scheduler runs up to
+        max_loras adapters per step. The base weights are the master (no perturb/restore). Each member
+        gets a fresh adapter id and name, never reused."""
         problem = self.population_problem()
         if problem:
             raise ValueError(problem)
@@ -336,7 +346,8 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         rows = [TokensPrompt(prompt_token_ids=row) for _ in member_seeds for row in ids]
-        outputs = self._llm_generate(rows, self._sampling_params(Sampling()), [request for request in requests for _ in ids])
+        outputs = self._llm_generate(rows, self._sampling_params(sampling or Sampling(), list(prompts) * len(member_seeds)),
+                                     [request for request in requests for _ in ids])
         tokens = [output.outputs[0].token_ids for output in outputs]
         return [generation_from_tokens(tokens[m * len(ids):(m + 1) * len(ids)], self.eos_token_ids, self.tokenizer)
                 for m in range(len(member_seeds))]

@@ -127,16 +127,17 @@ class VLLMLoRAEngine(VLLMEngine):
         return None
 
     def generate_population(self, prompts: Sequence[str], member_seeds: Sequence[int], sigma: float,
-                            mini_batch_size: int | None = None) -> list[Generation]:
-        """Every member's adapter (trained + σ·εᵢ) in ONE generate over members × prompts."""
-        return self._generate_with(prompts, [self._fresh(seed, sigma) for seed in member_seeds], Sampling())
+                            mini_batch_size: int | None = None, sampling: Sampling | None = None) -> list[Generation]:
+        """Every member's adapter (trained + σ·εᵢ) in ONE generate over members × prompts (greedy unless `sampling`)."""
+        return self._generate_with(prompts, [self._fresh(seed, sigma) for seed in member_seeds], sampling or Sampling())
 
     def _generate_with(self, prompts, requests, sampling: Sampling) -> list[Generation]:
         from vllm.inputs import TokensPrompt
 
         ids = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
         rows = [TokensPrompt(prompt_token_ids=row) for _ in requests for row in ids]
-        outputs = self._llm_generate(rows, self._sampling_params(sampling), [request for request in requests for _ in ids])
+        outputs = self._llm_generate(rows, self._sampling_params(sampling, list(prompts) * len(requests)),
+                                     [request for request in requests for _ in ids])
         per_request = len(ids) * sampling.n
         tokens = [completion.token_ids for output in outputs for completion in output.outputs]
         return [generation_from_tokens(tokens[k * per_request:(k + 1) * per_request], self.eos_token_ids, self.tokenizer)

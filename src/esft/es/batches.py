@@ -37,3 +37,10 @@ def prompt_batch(data: Sequence[dict[str, Any]], seed: int, size: int, iteration
         order = np.random.default_rng([seed, 1, epoch]).permutation(len(data))
         rows.append(data[order[offset]])
     return PromptBatch(iteration, rows)
+
+
+def rollout_seed(seed: int, iteration: int) -> int:
+    """The seed of an iteration's sampled rollouts (--rollout-temperature > 0): a function of (seed, iteration)
+    alone, like the batch, so a resumed run and every Ray actor sample alike; each prompt's noise is then drawn
+    from it and the prompt's text (esft.engines.base.prompt_noise_seed)."""
+    return int(np.random.default_rng([seed, 2, iteration]).integers(2**62))

@@ -9,6 +9,9 @@ seeded like `iid` (member seed + tensor index); each entry of ε then has unit v
 same A·Bᵀ in both uses. Population batching (esft.engines.population) applies these same factors
 in the forward pass instead of to the weights.
 
+`iid_matrices` is `iid` on matrices only (EGGROLL's choice, with full-rank noise): a matrix gets exactly its `iid`
+noise, every other tensor (norm weights, biases) none, and stays frozen, as under `lowrank`.
+
 Mirrored members (--strategy antithetic): a negative member seed s < 0 means the noise of seed ~s
 (esft.es.strategies.antithetic.mirror), negated: draw_noise returns −ε(~s), lowrank_factors returns (−A, B) of ~s
 (so A·Bᵀ flips sign). Negation is exact in floating point, so θ + σ·ε(~s) is exactly θ − σ·ε(s). Every
@@ -31,15 +34,19 @@ NOISE_SCHEMES: dict[str, Callable[[int, int], int]] = {
     "iid": lambda member_seed, tensor_index: member_seed + tensor_index,
     # the paper's original scheme: every tensor seeded alike, so same-shaped tensors get equal noise.
     "correlated": lambda member_seed, tensor_index: member_seed,
+    # i.i.d. on matrices only; other tensors frozen (module docstring).
+    "iid_matrices": lambda member_seed, tensor_index: member_seed + tensor_index,
     # low-rank A·Bᵀ/√r per matrix (module docstring); factors seeded as iid.
     "lowrank": lambda member_seed, tensor_index: member_seed + tensor_index,
 }
 LOW_RANK_SCHEMES = frozenset({"lowrank"})
+MATRIX_ONLY_SCHEMES = frozenset({"iid_matrices", "lowrank"})
+"""Schemes that perturb matrices only (norm weights, biases and other tensors stay frozen)."""
 
 
 def perturbs(scheme: str, shape: torch.Size | tuple[int, ...]) -> bool:
-    """Whether `scheme` gives a tensor of this shape any noise (low-rank: matrices only)."""
-    return scheme not in LOW_RANK_SCHEMES or len(shape) == 2
+    """Whether `scheme` gives a tensor of this shape any noise (iid_matrices, low-rank: matrices only)."""
+    return scheme not in MATRIX_ONLY_SCHEMES or len(shape) == 2
 
 
 def lowrank_factors(
@@ -87,6 +94,8 @@ def draw_noise(
             return torch.zeros(shape, dtype=torch.float32, device=device) if out is None else out.zero_()
         a, b = lowrank_factors(member_seed, tensor_index, shape, rank, device, generator)
         return torch.mm(a, b.T, out=out).mul_(1.0 / math.sqrt(rank))
+    if not perturbs(scheme, shape):
+        return torch.zeros(shape, dtype=torch.float32, device=device) if out is None else out.zero_()
     if member_seed < 0:
         return draw_noise(scheme, mirror(member_seed), tensor_index, shape, device, generator, out, rank).neg_()
     generator.manual_seed(NOISE_SCHEMES[scheme](member_seed, tensor_index))

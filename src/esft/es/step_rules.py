@@ -18,6 +18,18 @@ STEP_RULES = {
 """--step-rule's choices (paper, the default, first) and what each does."""
 
 
+REFERENCE_MEMBERS = 8
+"""sqrt_n's default α gives the step of the paper's default (α = σ/2) at this N."""
+
+
+def default_alpha(sigma: float, rule: str) -> float:
+    """α when none is given: σ/2 under the paper's rule (the paper's default); under sqrt_n σ/(2·√8), the same
+    step as the paper's default at N = 8 (the SmolLM2 recipe's), at every N."""
+    if rule == "sqrt_n":
+        return sigma / (2 * math.sqrt(REFERENCE_MEMBERS))
+    return sigma / 2
+
+
 def alpha_for_strategy(rule: str, alpha: float, members: int) -> float:
     """The α a strategy's tell gets (it divides by N) so that the update divides by the rule's D(N)."""
     if rule == "paper":

@@ -70,9 +70,10 @@ class LocalExecutor:
         kernels release the GIL; sandboxed reward functions run in other processes)."""
         self._said_batching = False
 
-    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch, sigma: float) -> list[MemberResult]:
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch, sigma: float,
+                            sampling: Sampling | None = None) -> list[MemberResult]:
         """Perturb (θ + σ·ε, σ this iteration's) → generate → restore → score, for each member, on the same
-        prompt batch."""
+        prompt batch: greedy, or as `sampling` says (ES's sampled rollouts: common random numbers)."""
         rows, prompts = batch.rows, batch.prompts
         sigma = float(sigma)
         if self.population_batching:
@@ -81,14 +82,15 @@ class LocalExecutor:
             group = members_per_call(self.engine, len(member_seeds), prompts)
             self._say_batching(group, len(member_seeds))
             if group > 1:  # else one member's prompts fill a call: the path below, weights in place, no copies
-                generations = generate_population(self.engine, prompts, member_seeds, sigma, group=group)
+                generations = generate_population(self.engine, prompts, member_seeds, sigma, group=group,
+                                                  sampling=sampling)
                 return [self._result(seed, generation, self.scorer(rows, generation.texts, generation.token_ids))
                         for seed, generation in zip(member_seeds, generations)]
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="esft-reward") as pool:
             pending = []
             for seed in member_seeds:
                 with perturbed(self.engine, seed, sigma):
-                    generation = self.engine.generate(prompts)
+                    generation = self.engine.generate(prompts, sampling=sampling)
                 pending.append((seed, generation, pool.submit(self.scorer, rows, generation.texts, generation.token_ids)))
                 if not self.overlap_rewards:
                     pending[-1][2].result()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from esft.engines.base import optional
+from esft.engines.base import Sampling, optional
 from esft.es.batches import PromptBatch, prompt_batch
 from esft.executors.local import LocalExecutor, MemberResult
 from esft.rewards.conventions import RewardTrainerState
@@ -87,11 +87,12 @@ class ESActor:
 
         return {"allocator": self.allocator, "threads": torch.get_num_threads()}
 
-    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None, sigma: float) -> list[MemberResult]:
+    def evaluate(self, seeds: Sequence[int], iteration: int, rows: list | None, sigma: float,
+                 sampling: Sampling | None = None) -> list[MemberResult]:
         """These members on this actor's engine, exactly as the LocalExecutor evaluates them (one at
         a time, or batched with --population-batching), perturbed by `sigma` (the iteration's σ),
         on the iteration's prompt batch: rebuilt here from the task's train set
-        (esft.es.batches.prompt_batch) unless `rows` are given."""
+        (esft.es.batches.prompt_batch) unless `rows` are given; greedy unless `sampling` says otherwise."""
         if rows is not None:
             batch = PromptBatch(iteration, rows)
         else:
@@ -100,7 +101,7 @@ class ESActor:
                 self._batch = prompt_batch(self.task.train_dataset, pool.seed, pool.batch_size, iteration)
             batch = self._batch
         self.rewards.trainer_state = RewardTrainerState(iteration, self.settings.pool.iterations)  # TRL's trainer_state
-        return self._local.evaluate_population(seeds, batch, sigma)
+        return self._local.evaluate_population(seeds, batch, sigma, sampling)
 
     def population_batching_problem(self) -> str | None:
         """Why this actor's model cannot evaluate members batched (None: it can)."""

@@ -30,7 +30,7 @@ import ray
 
 from esft.es.batches import PromptBatch, prompt_batch
 from esft.settings.config import ConfigError
-from esft.engines.base import NonFiniteWeights
+from esft.engines.base import NonFiniteWeights, Sampling
 from esft.executors.local import MemberResult, resolve_population_batching
 from esft.executors.ray_actor import ESActor
 from esft.executors.ray_cluster import check_room, close_cluster, open_cluster, room_for_one
@@ -136,11 +136,12 @@ class RayExecutor:
         print(f"esft: {message}", file=sys.stderr)
 
     # ------------------------------------------------------------ members
-    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch, sigma: float) -> list[MemberResult]:
+    def evaluate_population(self, member_seeds: Sequence[int], batch: PromptBatch, sigma: float,
+                            sampling: Sampling | None = None) -> list[MemberResult]:
         """Every member once, on whichever actor is free; a dead actor's members are re-run elsewhere.
         The unit of work is one member, or with --population-batching an equal share per actor. Only
         the iteration goes out when the actors can rebuild the batch (esft.es.batches.prompt_batch).
-        `sigma` (this iteration's σ) goes out with the seeds."""
+        `sigma` (this iteration's σ) and `sampling` (greedy when None) go out with the seeds."""
         sigma = float(sigma)
         self._ship_task()
         expected = prompt_batch(self.task.train_dataset, self.settings.pool.seed, self.settings.pool.batch_size, batch.iteration)
@@ -158,7 +159,7 @@ class RayExecutor:
             while pending and idle:
                 slot, indices = idle.popleft(), pending.popleft()
                 running[slot.actor.evaluate.remote([member_seeds[i] for i in indices], batch.iteration, payload,
-                                                    sigma)] = (slot, indices)
+                                                    sigma, sampling)] = (slot, indices)
             if not running and not starting:
                 raise RuntimeError("no Ray actor is left to evaluate members")
             ready, _ = ray.wait(list(running) + list(starting), num_returns=1)

@@ -66,7 +66,7 @@ def grpo_config(args: ESConfig, output_dir: Path):
     settings["adam_beta1"], settings["adam_beta2"] = args.adam_beta_pair()
     settings |= dict(adam_epsilon=args.adam_eps, weight_decay=args.weight_decay)
     return GRPOConfig(
-        output_dir=str(output_dir), max_steps=args.iterations, seed=args.seed, temperature=args.rollout_temperature,
+        output_dir=str(output_dir), max_steps=args.iterations, seed=args.seed, temperature=1.0 if args.rollout_temperature is None else args.rollout_temperature,
         max_completion_length=args.max_tokens, bf16=args.dtype == "bfloat16", fp16=False, use_cpu=cpu,
         dataloader_pin_memory=not cpu, save_strategy="no", eval_strategy="no", logging_strategy="steps",
         logging_steps=1, report_to="none", disable_tqdm=True, **settings,

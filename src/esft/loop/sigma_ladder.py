@@ -15,15 +15,26 @@ model was rescaled for the paper's σ = 1e-3, most pretrained models need about 
 
 RULE (the recommendation): among the σ of the ladder that are intact (no more than GARBLED_MARGIN
 more garbled completions than the unperturbed model writes, and a mean reward no lower than the
-unperturbed model's by more than COLLAPSE of the reward range seen in the scan) and at which at
-least MIN_CHANGED of the completions differ from the unperturbed model's, the one with the largest
-spread of members' rewards (> 0): the spread is what the z-scored update follows. α = σ/2, the
-paper's ratio (σ = 1e-3, α = 5e-4). No such σ: "no signal at any σ" when no σ gave a spread (the
-reward does not tell members apart on these prompts), else "none intact".
+unperturbed model's by more than COLLAPSE of the reward range seen in the scan, or by more than the
+standard error of the unperturbed model's mean reward over the scan's prompts where that is larger)
+and at which at least MIN_CHANGED of the completions differ from the unperturbed model's, the one
+with the largest spread of members' rewards (> 0): the spread is what the z-scored update follows.
+α follows σ (esft.es.step_rules.default_alpha: σ/2, the paper's ratio). No such σ: "no signal at
+any σ" when no σ gave a spread (the reward does not tell members apart on these prompts), else
+"none intact".
+
+Why a fall of up to three quarters of the range: a random perturbation lowers the reward on average, the more
+the larger σ, while the update averages many of them into a far smaller step; what the rule must refuse is a σ
+at which members' rewards have collapsed to the floor. Measured on SmolLM2-135M-Instruct (8 members × 8
+prompts, 2026-12-06): on arithmetic at seed 1 the unperturbed model scores 0.375, members 0.391 at σ = 1e-3,
+0.125 at 1e-2 and 0.0 at 3e-2; σ = 1e-2, the σ measured to train this model on every task tried
+(docs/benchmarks.md), is kept and 3e-2 refused (with COLLAPSE = 0.25 the rule took 1e-3, and the run gained one
+point). The standard error matters when the scan's few prompts make the unperturbed reward itself uncertain.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -40,7 +51,7 @@ SCAN_PROMPTS = 8
 """Members per σ and training prompts each answers, by default (esft sigma-scan --members/--prompts; --sigma auto)."""
 MIN_CHANGED = 0.25
 GARBLED_MARGIN = 0.2
-COLLAPSE = 0.25
+COLLAPSE = 0.75
 
 
 def degenerate(text: str) -> bool:
@@ -73,6 +84,15 @@ class ScanResult:
     recommended: float | None
     verdict: str
     """One line: the recommendation and why, or why there is none."""
+    base_error: float = 0.0
+    """The standard error of the unperturbed model's mean reward over the prompts (RULE's tolerance)."""
+
+    def record(self) -> dict[str, Any]:
+        """What the scan measured and chose, as sigma-scan.json holds it (esft sigma-scan; a --sigma auto run)."""
+        return {"recommended_sigma": self.recommended, "verdict": self.verdict, "rule": RULE,
+                "base": {"reward": self.base_reward, "reward_standard_error": self.base_error,
+                         "garbled": self.base_garbled},
+                "members": self.members, "prompts": self.prompts, "steps": [dataclasses.asdict(step) for step in self.steps]}
 
     def table(self) -> str:
         lines = [f"{'sigma':>8} {'changed':>8} {'spread':>9} {'reward':>9} {'garbled':>8}",
@@ -90,17 +110,18 @@ def why_chosen(step: Step) -> str:
             "completions change")
 
 
-def recommend(base_reward: float, base_garbled: float, steps: list[Step]) -> tuple[float | None, str]:
-    """The module docstring's RULE: (σ or None, the verdict line)."""
+def recommend(base_reward: float, base_garbled: float, steps: list[Step], base_error: float = 0.0
+              ) -> tuple[float | None, str]:
+    """The module docstring's RULE: (σ or None, the verdict line); `base_error`, the standard error of the
+    unperturbed model's mean reward over the scan's prompts."""
     rewards = [base_reward] + [step.reward for step in steps]
     scale = max(rewards) - min(rewards)
     intact = [step for step in steps if step.garbled <= base_garbled + GARBLED_MARGIN
-              and step.reward >= base_reward - COLLAPSE * scale]
+              and step.reward >= base_reward - max(COLLAPSE * scale, base_error)]
     moving = [step for step in intact if step.spread > 0 and step.changed >= MIN_CHANGED]
     if moving:
         step = max(moving, key=lambda step: step.spread)
-        return step.sigma, (f"recommended: --sigma {step.sigma:g} --alpha {step.sigma / 2:g} ({why_chosen(step)}; "
-                            "α = σ/2 as in the paper)")
+        return step.sigma, f"recommended: --sigma {step.sigma:g} ({why_chosen(step)}; α: its default with it, see --alpha)"
     if not any(step.spread > 0 for step in steps):
         moved = next((step.sigma for step in steps if step.changed > 0), None)
         where = f"completions change from σ = {moved:g}, but " if moved is not None else "no completion changed and "
@@ -121,9 +142,11 @@ def scan(engine: Any, score: Callable[..., Any], rows: Sequence[dict], seed: int
 
     def generate_and_score():
         generation = engine.generate(prompts, mini_batch_size=mini_batch_size)
-        return generation, score(rows, generation.texts, generation.token_ids).mean()
+        scores = score(rows, generation.texts, generation.token_ids)
+        return generation, scores.mean(), [value for value in scores.total if value is not None]
 
-    base, base_reward = generate_and_score()
+    base, base_reward, base_values = generate_and_score()
+    base_error = statistics.pstdev(base_values) / len(base_values) ** 0.5 if len(base_values) > 1 else 0.0
     base_prints = base.fingerprints()
     base_garbled = sum(map(degenerate, base.texts)) / len(base.texts)
     seeds = draw_seeds(ESState(seed), members)
@@ -132,12 +155,12 @@ def scan(engine: Any, score: Callable[..., Any], rows: Sequence[dict], seed: int
         rewards, changed, garbled = [], 0, 0
         for member_seed in seeds:
             with perturbed(engine, member_seed, sigma):
-                generation, reward = generate_and_score()
+                generation, reward, _ = generate_and_score()
             rewards.append(reward)
             changed += sum(a != b for a, b in zip(generation.fingerprints(), base_prints))
             garbled += sum(map(degenerate, generation.texts))
         total = members * len(rows)
         steps.append(Step(sigma, changed / total, statistics.pstdev(rewards), statistics.fmean(rewards), garbled / total))
         said(sigma)
-    recommended, verdict = recommend(base_reward, base_garbled, steps)
-    return ScanResult(base_reward, base_garbled, steps, members, len(rows), recommended, verdict)
+    recommended, verdict = recommend(base_reward, base_garbled, steps, base_error)
+    return ScanResult(base_reward, base_garbled, steps, members, len(rows), recommended, verdict, base_error)

@@ -154,13 +154,14 @@ class Fields:
     sigma: float | str = _in(
         "ES", "σ, the noise scale of member perturbations θ + σ·ε; or auto: before the first iteration, esft "
         "sigma-scan's ladder and rule with its default members and prompts (esft.loop.sigma_ladder) pick it on this "
-        "run's model, data and reward, said in one line (α = σ/2 unless --alpha is given); a ladder with no usable σ "
+        "run's model, data and reward, said in one line (α its default, see --alpha, unless given); a ladder with no usable σ "
         "stops the run with its verdict. config.yaml records the σ chosen.", algorithms=ES_MEMBERS, default=1e-3)
     noise: str = _in(
         "ES",
-        "Noise scheme: iid (tensor k seeded from member seed + k), correlated (every tensor "
-        "seeded alike, the paper's original scheme) or lowrank (EGGROLL-style: each matrix gets "
-        "A·Bᵀ/√r of rank --rank, A and B seeded as iid; norms and biases stay frozen).",
+        "Noise scheme: iid (tensor k seeded from member seed + k), iid_matrices (iid on matrices only: norms and "
+        "biases stay frozen), correlated (every tensor seeded alike, the paper's original scheme) or lowrank "
+        "(EGGROLL-style: each matrix gets A·Bᵀ/√r of rank --rank, A and B seeded as iid; norms and biases stay "
+        "frozen).",
         algorithms=ES_MEMBERS, default="iid",
     )
     rank: int = _in("ES", "Rank r of --noise lowrank perturbations σ·A·Bᵀ/√r.", algorithms=ES_MEMBERS, default=1)
@@ -178,6 +179,13 @@ class Fields:
         "error); --no-population-batching: one member at a time.",
         algorithms=ES_MEMBERS, default="auto",
     )
+    rollout_temperature: float | None = _in(
+        "ES", "Sampling temperature of training rollouts. ES: unset or 0 generates members' completions greedily "
+        "(the paper); > 0 samples them with common random numbers: on a prompt every member draws the same sampling "
+        "noise (seeded by the run seed, the iteration and the prompt's text: esft.engines.decoding.CommonNoise; on vLLM "
+        "a per-request seed), so members' rewards differ only by their perturbations. GRPO: TRL's temperature, 1.0 "
+        "when unset. --temperature stays the evaluation's, greedy by default, for both algorithms.",
+        algorithms=("es", "grpo"), default=None)
     batch_size: int = _in("ES", "B, prompts per iteration (with --prompt-groups G: split into G slices of B/G).",
                           algorithms=ES_UPDATE, default=32)
     prompt_groups: int = _in(
@@ -204,7 +212,8 @@ class Fields:
         "rewards failing mostly on wrong answers (docs/benchmarks.md).", algorithms=ES_MEMBERS, default="omit")
     alpha: float | None = _in(
         "ES",
-        "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper). Default: σ/2.",
+        "α, the step: θ += (α/N)·Σ zᵢ·εᵢ (not divided by σ, as in the paper; --step-rule sqrt_n: α/√N). Default: "
+        "σ/2 (the paper's); under --step-rule sqrt_n σ/(2√8), the paper's default step at N = 8, at every N.",
         algorithms=ES_UPDATE, default=None,
     )
     step_rule: str = _in(
@@ -235,7 +244,7 @@ class Fields:
     # ---- task and rewards: the task, its data and the reward functions that score completions
     task: str = _in(
         "task and rewards",
-        "Task: countdown, arithmetic, times-table, conciseness, math, or your own as module:function or path/to/file.py:function "
+        "Task: countdown, arithmetic, times-table, word-problems, conciseness, math, or your own as module:function or path/to/file.py:function "
         "(a function returning an esft Task). --reward-funcs implies a custom task.",
         default="countdown",
     )
@@ -279,7 +288,7 @@ class Fields:
     )
     prompt_format: str = _in(
         "task and rewards",
-        "How a built-in task (countdown, arithmetic, times-table, conciseness) asks its question: raw (its plain text: Countdown's "
+        "How a built-in task (countdown, arithmetic, times-table, word-problems, conciseness) asks its question: raw (its plain text: Countdown's "
         "is the paper's prompt), chat (the question in a user turn of the tokenizer's chat template; Countdown's reply "
         "continued from 'Let me solve this step by step.\n<think>'), or auto: chat when the tokenizer has a chat "
         "template, else raw (said in one line). Your own data keeps its prompts.", default="auto")
@@ -478,9 +487,6 @@ class Fields:
     epsilon: float = _in("GRPO (TRL)", "Clipping range of the importance ratio.", default=0.2)
     num_iterations: int = _in("GRPO (TRL)", "TRL's mu: optimizer steps on each generation batch (not --iterations, "
                               "which counts all optimizer steps).", default=1)
-    rollout_temperature: float = _in(
-        "GRPO (TRL)", "Sampling temperature of training rollouts (TRL's temperature; --temperature stays the "
-        "evaluation temperature, greedy by default, for both algorithms).", default=1.0)
     max_grad_norm: float = _in("GRPO (TRL)", "Gradient clipping norm.", default=1.0)
     gradient_checkpointing: bool = _in("GRPO (TRL)", "Recompute activations in the backward pass: less memory, "
                                        "slower (TRL's default; --no-gradient-checkpointing for small models).",
@@ -514,7 +520,7 @@ def only_for(*algorithms: str) -> tuple[str, ...]:
 
 
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(Fields)}
-"""Every setting's default (α's, None, becomes σ/2 in ESConfig: esft.settings.rules.differs_from_default)."""
+"""Every setting's default (α's, None, follows σ in ESConfig: esft.es.step_rules.default_alpha)."""
 ES_ONLY = tuple(f.name for f in dataclasses.fields(Fields) if applies(f, "es") and not applies(f, "grpo"))
 """Settings of the ES loop (its members and its update) that --algorithm grpo has no use for: refused there."""
 GRPO_ONLY = only_for("grpo")

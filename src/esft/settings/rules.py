@@ -17,7 +17,7 @@ from esft.es import schedules
 from esft.es.noise import NOISE_SCHEMES
 from esft.es.optimizers import LEARNING_RATE_IN_STEP, OPTIMIZERS
 from esft.es.shaping import REWARD_SHAPING
-from esft.es.step_rules import STEP_RULES
+from esft.es.step_rules import STEP_RULES, default_alpha
 from esft.es.strategies import STRATEGIES
 from esft.files import looks_like_path
 from esft.models.gguf import gguf_problem, is_gguf
@@ -65,10 +65,10 @@ class ConfigError(ValueError):
 
 
 def differs_from_default(config, name: str) -> bool:
-    """Whether setting `name` differs from its default (α's default is σ/2): a setting given for an engine,
-    executor or algorithm the run does not use is refused, never ignored."""
-    if name == "alpha":  # α's default is σ/2 (None until --sigma auto has chosen σ)
-        return getattr(config, name) != (config.sigma / 2 if is_number(config.sigma) else None)
+    """Whether setting `name` differs from its default (α's follows σ: esft.es.step_rules.default_alpha): a setting
+    given for an engine, executor or algorithm the run does not use is refused, never ignored."""
+    if name == "alpha":  # None until --sigma auto has chosen σ
+        return getattr(config, name) != (default_alpha(config.sigma, config.step_rule) if is_number(config.sigma) else None)
     return getattr(config, name) != DEFAULTS[name]
 
 
@@ -106,10 +106,12 @@ def check(config) -> None:
                           f"{shown(config.sigma)}")
     positive = {"sigma": "a small positive noise scale such as 1e-3", "alpha": "a positive step such as 5e-4"}
     for name, hint in positive.items():
-        if getattr(config, name) is None or getattr(config, name) == "auto":  # α of --sigma auto: σ/2 once σ is chosen
+        if getattr(config, name) is None or getattr(config, name) == "auto":  # α of --sigma auto: set once σ is chosen
             continue
         if not getattr(config, name) > 0:
             raise ConfigError(name, f"must be > 0, got {getattr(config, name)}; use {hint}")
+    if config.rollout_temperature is not None and not config.rollout_temperature >= 0:
+        raise ConfigError("rollout_temperature", f"must be >= 0 (0: greedy rollouts), got {config.rollout_temperature}")
     minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "prompt_groups": 1, "max_tokens": 1, "eval_batch_size": 1,
                "train_size": 1, "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
@@ -267,7 +269,9 @@ def _check_algorithm(config) -> None:
                       "num_iterations": 1}.items():
         if getattr(config, name) < low:
             raise ConfigError(name, f"must be >= {low}, got {getattr(config, name)}")
-    for name in ("learning_rate", "rollout_temperature", "epsilon", "max_grad_norm"):
+    if config.rollout_temperature is not None and not config.rollout_temperature > 0:
+        raise ConfigError("rollout_temperature", f"must be > 0 for GRPO (it samples), got {config.rollout_temperature}")
+    for name in ("learning_rate", "epsilon", "max_grad_norm"):
         if not getattr(config, name) > 0:
             raise ConfigError(name, f"must be > 0, got {getattr(config, name)}")
     if not config.beta >= 0:

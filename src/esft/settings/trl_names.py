@@ -41,7 +41,8 @@ ES_EQUIVALENTS = {
     "per_device_train_batch_size": "--batch-size (prompts per iteration, the same for every member)",
     "num_generations": "--population-size (members per iteration, each one completion per prompt)",
     "gradient_accumulation_steps": "--mini-batch-size (memory only: prompts per generate call)",
-    "rollout_temperature": "nothing: ES generates greedily (--temperature is the evaluation's)",
+    "rollout_temperature": "--rollout-temperature (0, ES's default, is greedy; > 0 samples members' rollouts with "
+                           "common random numbers; --temperature is the evaluation's)",
 }
 """ESConfig's GRPO (TRL) settings -> what an --algorithm es run uses instead."""
 

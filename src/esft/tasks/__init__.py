@@ -11,6 +11,7 @@ from esft.tasks.conciseness import make_conciseness_task
 from esft.tasks.countdown_task import make_countdown_task
 from esft.tasks.math_task import make_math_task
 from esft.tasks.times_table import make_times_table_task
+from esft.tasks.word_problems import make_word_problems_task
 
 TASKS: dict[str, Callable[..., Task]] = {
     "countdown": make_countdown_task,
@@ -18,6 +19,7 @@ TASKS: dict[str, Callable[..., Task]] = {
     "math": make_math_task,
     "arithmetic": make_arithmetic_task,
     "times-table": make_times_table_task,
+    "word-problems": make_word_problems_task,
 }
 
 

@@ -57,7 +57,7 @@ def build_task(settings: TaskSettings, reward_funcs: Any = None, train_dataset: 
 
 def _task_named(settings: TaskSettings) -> Task:
     """The task the settings name: --reward-funcs/--reward-model/--reward-url data, a --task module:function
-    factory, or a registered task (countdown, arithmetic, times-table, conciseness, math)."""
+    factory, or a registered task (countdown, arithmetic, times-table, word-problems, conciseness, math)."""
     if custom_rewards(settings):
         return task_from_data(settings.train_data, settings.eval_data, settings.reward_funcs, reward_weights(settings),
                               settings.reward_model, settings.reward_url, settings.reward_model_device,
