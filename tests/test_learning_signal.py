@@ -147,7 +147,7 @@ def test_sigma_auto_trains_at_the_sigma_the_scan_recommends_and_says_so_in_one_l
     lines = [line for line in done.stderr.splitlines() if "--sigma auto" in line]
     assert len(lines) == 1 and lines[0].startswith(f"esft: --sigma auto: σ = {recommended:g}, α = σ/2 = "
                                                    f"{recommended / 2:g}; of σ = 0.0001, "), done.stderr
-    assert "8 members × 8 training prompts, the largest spread of members' rewards" in lines[0]
+    assert "8 members × 8 training prompts, the largest σ whose members' rewards spread near the most" in lines[0]
     config = yaml.safe_load((user_dir / "runs" / "auto" / "config.yaml").read_text())
     assert (config["sigma"], config["alpha"]) == (recommended, recommended / 2)
     assert [row["es/sigma"] for row in rows(user_dir / "runs" / "auto") if "es/sigma" in row] == [recommended]
@@ -255,7 +255,12 @@ def test_signal_arithmetic_and_the_recommendation_rule():
              Step(1e-2, 1.0, 0.0884, 0.125, 0.0), Step(3e-2, 1.0, 0.0, 0.0, 0.0), Step(1e-1, 1.0, 0.0, 0.0, 0.03)]
     assert recommend(0.375, 0.0, seed1)[0] == 1e-2
     fallen = seed1[:2] + [Step(1e-2, 1.0, 0.0884, 0.05, 0.0)] + seed1[3:]  # below a quarter of the range: collapse
-    assert recommend(0.375, 0.0, fallen)[0] == 1e-3
+    assert recommend(0.375, 0.0, fallen)[0] == 3e-3  # spreads alike with 1e-3 (0.0625 of 0.0749): the larger σ
     # a fall within the unperturbed reward's standard error over few prompts is noise, whatever the range says
+    # SmolLM2 times-table at seed 3: 3e-3 and 1e-2 spread alike (8 members' means move in eighths): the larger σ
+    tie = [Step(1e-3, 0.09, 0.0413, 0.1406, 0.0), Step(3e-3, 0.44, 0.0625, 0.125, 0.0), Step(1e-2, 0.97, 0.0625, 0.0625, 0.0),
+           Step(3e-2, 1.0, 0.0, 0.0, 0.05)]
+    assert recommend(0.125, 0.0, tie, base_error=0.117)[0] == 1e-2
+    assert recommend(0.125, 0.0, tie[:2] + [Step(1e-2, 0.97, 0.04, 0.0625, 0.0)], base_error=0.117)[0] == 3e-3
     narrow = [Step(1e-3, 0.5, 0.01, 0.30, 0.0), Step(1e-2, 1.0, 0.05, 0.20, 0.0)]
     assert recommend(0.31, 0.0, narrow)[0] == 1e-3 and recommend(0.31, 0.0, narrow, base_error=0.15)[0] == 1e-2

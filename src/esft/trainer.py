@@ -169,9 +169,8 @@ class ESTrainer:
         rule = "σ/(2√8)" if args.step_rule == "sqrt_n" else "σ/2"
         step = f"--alpha {args.alpha:g} as given" if given_alpha else f"α = {rule} = {args.alpha:g}"
         self.sigma_scan = result  # written into the run directory as sigma-scan.json when the run begins
-        chosen = next(s for s in result.steps if s.sigma == result.recommended)
         print(f"esft: --sigma auto: σ = {args.sigma:g}, {step}; of σ = {', '.join(f'{s:g}' for s in LADDER)} on "
-              f"{result.members} members × {result.prompts} training prompts, {sigma_ladder.why_chosen(chosen)}",
+              f"{result.members} members × {result.prompts} training prompts, {result.reason}",
               file=sys.stderr)
 
     def _build_engine(self, model: Any, processing_class: Any):

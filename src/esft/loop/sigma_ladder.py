@@ -17,9 +17,11 @@ RULE (the recommendation): among the σ of the ladder that are intact (no more t
 more garbled completions than the unperturbed model writes, and a mean reward no lower than the
 unperturbed model's by more than COLLAPSE of the reward range seen in the scan, or by more than the
 standard error of the unperturbed model's mean reward over the scan's prompts where that is larger)
-and at which at least MIN_CHANGED of the completions differ from the unperturbed model's, the one
-with the largest spread of members' rewards (> 0): the spread is what the z-scored update follows.
-α follows σ (esft.es.step_rules.default_alpha: σ/2, the paper's ratio). No such σ: "no signal at
+and at which at least MIN_CHANGED of the completions differ from the unperturbed model's, the largest σ
+whose spread of members' rewards (> 0) is at least NEAR_MAX of the largest spread among them: the spread is
+what the z-scored update follows, and within what a few members on a few prompts can tell apart the larger σ
+wins (α follows it, so the step is larger).
+α follows σ (esft.es.step_rules.default_alpha: σ/2, the paper's ratio; σ/(2√8) under the √N step rule). No such σ: "no signal at
 any σ" when no σ gave a spread (the reward does not tell members apart on these prompts), else
 "none intact".
 
@@ -30,6 +32,12 @@ prompts, 2026-12-06): on arithmetic at seed 1 the unperturbed model scores 0.375
 0.125 at 1e-2 and 0.0 at 3e-2; σ = 1e-2, the σ measured to train this model on every task tried
 (docs/benchmarks.md), is kept and 3e-2 refused (with COLLAPSE = 0.25 the rule took 1e-3, and the run gained one
 point). The standard error matters when the scan's few prompts make the unperturbed reward itself uncertain.
+
+Why the larger σ among near-equal spreads: 8 members' mean rewards over 8 prompts of 0/1 rewards move in steps
+of 1/8, so spreads within a quarter of each other are not told apart. On SmolLM2 (2026-12-06) times-table at seed
+3 spread 0.0625 at both σ = 3e-3 and 1e-2; taking the smaller (the rule until then) gave α = 5.3e-4 and 38.0%
+held-out after 4 iterations, where σ = 1e-2's α = 1.77e-3 is measured to learn most on that model (stage (b) of
+docs/benchmarks.md: σ = 3e-3 at the same α learned less).
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ SCAN_PROMPTS = 8
 MIN_CHANGED = 0.25
 GARBLED_MARGIN = 0.2
 COLLAPSE = 0.75
+NEAR_MAX = 0.75
 
 
 def degenerate(text: str) -> bool:
@@ -86,6 +95,8 @@ class ScanResult:
     """One line: the recommendation and why, or why there is none."""
     base_error: float = 0.0
     """The standard error of the unperturbed model's mean reward over the prompts (RULE's tolerance)."""
+    reason: str = ""
+    """Why the rule picked the recommended σ, in words ("" when it picked none)."""
 
     def record(self) -> dict[str, Any]:
         """What the scan measured and chose, as sigma-scan.json holds it (esft sigma-scan; a --sigma auto run)."""
@@ -104,32 +115,34 @@ class ScanResult:
         return "\n".join(lines)
 
 
-def why_chosen(step: Step) -> str:
-    """Why the rule picked `step`'s σ, in words."""
-    return (f"the largest spread of members' rewards, {step.spread:.3g}, without collapse; {100 * step.changed:.0f}% of "
-            "completions change")
+def why_chosen(step: Step, largest: float) -> str:
+    """Why the rule picked `step`'s σ, in words (`largest`: the largest spread among the σ it weighed)."""
+    return (f"the largest σ whose members' rewards spread near the most ({step.spread:.3g}; the most {largest:.3g}), "
+            f"without collapse; {100 * step.changed:.0f}% of completions change")
 
 
 def recommend(base_reward: float, base_garbled: float, steps: list[Step], base_error: float = 0.0
-              ) -> tuple[float | None, str]:
-    """The module docstring's RULE: (σ or None, the verdict line); `base_error`, the standard error of the
-    unperturbed model's mean reward over the scan's prompts."""
+              ) -> tuple[float | None, str, str]:
+    """The module docstring's RULE: (σ or None, the verdict line, why that σ in words or ""); `base_error`, the
+    standard error of the unperturbed model's mean reward over the scan's prompts."""
     rewards = [base_reward] + [step.reward for step in steps]
     scale = max(rewards) - min(rewards)
     intact = [step for step in steps if step.garbled <= base_garbled + GARBLED_MARGIN
               and step.reward >= base_reward - max(COLLAPSE * scale, base_error)]
     moving = [step for step in intact if step.spread > 0 and step.changed >= MIN_CHANGED]
     if moving:
-        step = max(moving, key=lambda step: step.spread)
-        return step.sigma, f"recommended: --sigma {step.sigma:g} ({why_chosen(step)}; α: its default with it, see --alpha)"
+        largest = max(step.spread for step in moving)
+        step = max((step for step in moving if step.spread >= NEAR_MAX * largest), key=lambda step: step.sigma)
+        why = why_chosen(step, largest)
+        return step.sigma, f"recommended: --sigma {step.sigma:g} ({why}; α: its default with it, see --alpha)", why
     if not any(step.spread > 0 for step in steps):
         moved = next((step.sigma for step in steps if step.changed > 0), None)
         where = f"completions change from σ = {moved:g}, but " if moved is not None else "no completion changed and "
         return None, (f"no signal at any σ: {where}every member got the same reward at every σ; the reward does not "
-                      "tell members apart on these prompts (check it on the model's completions, or use easier data)")
+                      "tell members apart on these prompts (check it on the model's completions, or use easier data)"), ""
     return None, ("no σ of the ladder is both moving and intact: rewards differ only where completions collapse "
                   f"(more than {GARBLED_MARGIN:.0%} more garbled, or the reward falls); try σ between the ladder's steps "
-                  "(--sigmas) or a model that does the task")
+                  "(--sigmas) or a model that does the task"), ""
 
 
 def scan(engine: Any, score: Callable[..., Any], rows: Sequence[dict], seed: int, sigmas: Sequence[float],
@@ -162,5 +175,5 @@ def scan(engine: Any, score: Callable[..., Any], rows: Sequence[dict], seed: int
         total = members * len(rows)
         steps.append(Step(sigma, changed / total, statistics.pstdev(rewards), statistics.fmean(rewards), garbled / total))
         said(sigma)
-    recommended, verdict = recommend(base_reward, base_garbled, steps, base_error)
-    return ScanResult(base_reward, base_garbled, steps, members, len(rows), recommended, verdict, base_error)
+    recommended, verdict, reason = recommend(base_reward, base_garbled, steps, base_error)
+    return ScanResult(base_reward, base_garbled, steps, members, len(rows), recommended, verdict, base_error, reason)
