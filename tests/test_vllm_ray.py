@@ -142,7 +142,7 @@ def test_a_cli_run_on_ray_vllm_actors_leaves_no_socket_files(vllm_model_dir, tmp
     actors inherit it)."""
     toy = Path(__file__).parent / "toy_task.py"
     proc = subprocess.run(
-        [sys.executable, str(toy), "train", "--task", "toy", "--model", str(vllm_model_dir), "--engine", "vllm",
+        [sys.executable, str(toy), "train", "--preset", "none", "--task", "toy", "--model", str(vllm_model_dir), "--engine", "vllm",
          "--executor", "ray", "--workers", "1", "--max-model-len", "256", "--iterations", "1",
          "--population-size", "2", "--batch-size", "2", "--max-tokens", "4", "--save-every", "0",
          "--logging", "none", "--no-progress", "--output-dir", str(tmp_path), "--run-name", "cli"],
