@@ -1,7 +1,8 @@
 """ES designs on SmolLM2-135M-Instruct at one budget (issue 63): stage (a), on times-table, how members and prompts
 share an iteration's 128 completions and how their fitness is shaped; stage (b), mirrored pairs and σ (3e-3, or
 chosen by --sigma auto) for the designs stage (a) put first; stage (c), the best designs on several seeds
-(--seeds) and tasks (--tasks: times-table, arithmetic, word-problems).
+(--seeds) and tasks (--tasks: times-table, arithmetic, word-problems); stage (d), GRPO and the default side by side
+(--against-grpo); stage (e), a larger step (variants step2x, step4x) and more prompts per iteration on arithmetic.
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
 peak RSS from wait4, a finished run is not run again), --parallel at a time. All share the SmolLM2 recipe's other
@@ -59,9 +60,10 @@ SHAPES = {"8x16": (8, 16, 1), "32x4": (32, 4, 1), "64x2": (64, 2, 1), "128x1": (
 SHAPINGS = {"zscore": "z-score", "per_prompt": "per-prompt z", "per_prompt_centered": "centred"}
 """--reward-shaping: its name in the table."""
 VARIANTS = {"": [], "antithetic": ["--strategy", "antithetic"], "sigma3e-3": ["--sigma", "3e-3"],
-            "auto": ["--sigma", "auto"]}
+            "auto": ["--sigma", "auto"], **{f"step{k}x": ["--alpha", f"{k * ALPHA:.6g}"] for k in (2, 4)}}
 """Stage (b): what a cell changes from stage (a)'s settings (a cell's third part, shape/shaping/variant; α stays the
-matched one): mirrored pairs, a smaller σ, σ chosen by --sigma auto's ladder."""
+matched one): mirrored pairs, a smaller σ, σ chosen by --sigma auto's ladder. step2x, step4x (after stage (c)): twice,
+four times the matched α at the recipe's σ 1e-2 (the σ that --sigma auto picks on SmolLM2's three tasks)."""
 
 
 def cells(spec: str | None) -> list[tuple[str, str, str]]:
