@@ -2,7 +2,8 @@
 share an iteration's 128 completions and how their fitness is shaped; stage (b), mirrored pairs and σ (3e-3, or
 chosen by --sigma auto) for the designs stage (a) put first; stage (c), the best designs on several seeds
 (--seeds) and tasks (--tasks: times-table, arithmetic, word-problems); stage (d), GRPO and the default side by side
-(--against-grpo); stage (e), a larger step (variants step2x, step4x) and more prompts per iteration on arithmetic.
+(--against-grpo); stage (e), a larger step (variants step2x, step4x), sampled rollouts (sampled) and more prompts per iteration
+on arithmetic.
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
 peak RSS from wait4, a finished run is not run again), --parallel at a time. All share the SmolLM2 recipe's other
@@ -60,10 +61,13 @@ SHAPES = {"8x16": (8, 16, 1), "32x4": (32, 4, 1), "64x2": (64, 2, 1), "128x1": (
 SHAPINGS = {"zscore": "z-score", "per_prompt": "per-prompt z", "per_prompt_centered": "centred"}
 """--reward-shaping: its name in the table."""
 VARIANTS = {"": [], "antithetic": ["--strategy", "antithetic"], "sigma3e-3": ["--sigma", "3e-3"],
-            "auto": ["--sigma", "auto"], **{f"step{k}x": ["--alpha", f"{k * ALPHA:.6g}"] for k in (2, 4)}}
+            "auto": ["--sigma", "auto"], **{f"step{k}x": ["--alpha", f"{k * ALPHA:.6g}"] for k in (2, 4)},
+            "sampled": ["--rollout-temperature", "1.0"], "sampled0.5": ["--rollout-temperature", "0.5"]}
 """Stage (b): what a cell changes from stage (a)'s settings (a cell's third part, shape/shaping/variant; α stays the
 matched one): mirrored pairs, a smaller σ, σ chosen by --sigma auto's ladder. step2x, step4x (after stage (c)): twice,
-four times the matched α at the recipe's σ 1e-2 (the σ that --sigma auto picks on SmolLM2's three tasks)."""
+four times the matched α at the recipe's σ 1e-2 (the σ that --sigma auto picks on SmolLM2's three tasks); sampled,
+sampled0.5: members sample at temperature 1 or 0.5 with common random numbers (--rollout-temperature; evaluations
+stay greedy)."""
 
 
 def cells(spec: str | None) -> list[tuple[str, str, str]]:
@@ -256,8 +260,22 @@ def against_grpo(options, seed: int) -> dict:
         done = {name: pool.submit(run, argv, options.runs / argv[argv.index("--run-name") + 1])
                 for name, argv in (("grpo", grpo), ("es", es))}
         records = {name: future.result() for name, future in done.items()}
-    return {"seed": seed, **{name: {**records[name], "curve": curve(options.runs / argv[argv.index("--run-name") + 1])}
-                             for name, argv in (("grpo", grpo), ("es", es))}}
+    dirs = {name: options.runs / argv[argv.index("--run-name") + 1] for name, argv in (("grpo", grpo), ("es", es))}
+    return {"seed": seed, **{name: {**records[name], "curve": curve(run_dir), "wrong_answers": wrong_answers(run_dir)}
+                             for name, run_dir in dirs.items()}}
+
+
+def wrong_answers(run_dir: Path) -> dict:
+    """The wrong held-out answers of a run's first and last evaluations (eval/iteration-N/heldout.jsonl): how many,
+    and how many the token limit cut short; the rest ended on their own (on times-table, a wrong product stated)."""
+    max_tokens = yaml.safe_load((run_dir / "config.yaml").read_text())["max_tokens"]
+    evaluations = sorted((run_dir / "eval").glob("iteration-*/heldout.jsonl"), key=lambda f: int(f.parent.name[10:]))
+    counts = {}
+    for when, path in (("first", evaluations[0]), ("last", evaluations[-1])):
+        wrong = [row for row in map(json.loads, path.read_text().splitlines()) if not row["reward"]]
+        counts[when] = {"iteration": int(path.parent.name[10:]), "wrong": len(wrong),
+                        "cut_short": sum(row["num_tokens"] >= max_tokens for row in wrong)}
+    return counts
 
 
 def at_seconds(points: list[dict], seconds: float) -> dict:
@@ -286,6 +304,14 @@ def against_grpo_table(pairs: list[dict]) -> str:
         for name in ("grpo", "es"):
             lines.append(f"- seed {pair['seed']}, {name}: " + ", ".join(
                 f"{100 * p['accuracy']:.1f} @ {p['seconds']:.0f} s" for p in pair[name]["curve"]))
+    lines += ["", "Wrong held-out answers, before and at the end (of them cut short by the token limit; the rest "
+              "ended on their own):", ""]
+    for pair in pairs:
+        for name in ("grpo", "es"):
+            if "wrong_answers" in pair[name]:  # recorded since stage (e)
+                lines.append(f"- seed {pair['seed']}, {name}: " + ", ".join(
+                    f"{w['wrong']} at iteration {w['iteration']} ({w['cut_short']} cut short)"
+                    for w in pair[name]["wrong_answers"].values()))
     return "\n".join(lines) + "\n"
 
 
