@@ -3,7 +3,7 @@ share an iteration's 128 completions and how their fitness is shaped; stage (b),
 chosen by --sigma auto) for the designs stage (a) put first; stage (c), the best designs on several seeds
 (--seeds) and tasks (--tasks: times-table, arithmetic, word-problems); stage (d), GRPO and the default side by side
 (--against-grpo); stage (e), a larger step (variants step2x, step4x), sampled rollouts (sampled) and more prompts per iteration
-on arithmetic.
+on arithmetic; stage (f), a step that decays over the run (alpha_cosine), at --iterations 40 and 12.
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
 peak RSS from wait4, a finished run is not run again), --parallel at a time. All share the SmolLM2 recipe's other
@@ -62,12 +62,14 @@ SHAPINGS = {"zscore": "z-score", "per_prompt": "per-prompt z", "per_prompt_cente
 """--reward-shaping: its name in the table."""
 VARIANTS = {"": [], "antithetic": ["--strategy", "antithetic"], "sigma3e-3": ["--sigma", "3e-3"],
             "auto": ["--sigma", "auto"], **{f"step{k}x": ["--alpha", f"{k * ALPHA:.6g}"] for k in (2, 4)},
-            "sampled": ["--rollout-temperature", "1.0"], "sampled0.5": ["--rollout-temperature", "0.5"]}
+            "sampled": ["--rollout-temperature", "1.0"], "sampled0.5": ["--rollout-temperature", "0.5"],
+            "alpha_cosine": ["--alpha-schedule", "cosine"]}
 """Stage (b): what a cell changes from stage (a)'s settings (a cell's third part, shape/shaping/variant; α stays the
 matched one): mirrored pairs, a smaller σ, σ chosen by --sigma auto's ladder. step2x, step4x (after stage (c)): twice,
 four times the matched α at the recipe's σ 1e-2 (the σ that --sigma auto picks on SmolLM2's three tasks); sampled,
 sampled0.5: members sample at temperature 1 or 0.5 with common random numbers (--rollout-temperature; evaluations
-stay greedy)."""
+stay greedy). alpha_cosine (stage f): α decays along a cosine to a tenth of itself at the last iteration
+(--alpha-schedule cosine)."""
 
 
 def cells(spec: str | None) -> list[tuple[str, str, str]]:
@@ -269,11 +271,12 @@ def wrong_answers(run_dir: Path) -> dict:
     """The wrong held-out answers of a run's first and last evaluations (eval/iteration-N/heldout.jsonl): how many,
     and how many the token limit cut short; the rest ended on their own (on times-table, a wrong product stated)."""
     max_tokens = yaml.safe_load((run_dir / "config.yaml").read_text())["max_tokens"]
-    evaluations = sorted((run_dir / "eval").glob("iteration-*/heldout.jsonl"), key=lambda f: int(f.parent.name[10:]))
+    evaluations = sorted((int(path.parent.name.removeprefix("iteration-")), path)
+                         for path in (run_dir / "eval").glob("iteration-*/heldout.jsonl"))
     counts = {}
-    for when, path in (("first", evaluations[0]), ("last", evaluations[-1])):
+    for when, (iteration, path) in (("first", evaluations[0]), ("last", evaluations[-1])):
         wrong = [row for row in map(json.loads, path.read_text().splitlines()) if not row["reward"]]
-        counts[when] = {"iteration": int(path.parent.name[10:]), "wrong": len(wrong),
+        counts[when] = {"iteration": iteration, "wrong": len(wrong),
                         "cut_short": sum(row["num_tokens"] >= max_tokens for row in wrong)}
     return counts
 
