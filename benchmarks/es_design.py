@@ -3,7 +3,8 @@ share an iteration's 128 completions and how their fitness is shaped; stage (b),
 chosen by --sigma auto) for the designs stage (a) put first; stage (c), the best designs on several seeds
 (--seeds) and tasks (--tasks: times-table, arithmetic, word-problems); stage (d), GRPO and the default side by side
 (--against-grpo); stage (e), a larger step (variants step2x, step4x), sampled rollouts (sampled) and more prompts per iteration
-on arithmetic; stage (f), a step that decays over the run (alpha_cosine), at --iterations 40 and 12.
+on arithmetic; stage (f), a step that decays over the run (alpha_cosine), at --iterations 40 and 12; stage (g),
+batches of the prompts the model misses (candidates4, candidates8) or of both ends (extremes8).
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
 peak RSS from wait4, a finished run is not run again), --parallel at a time. All share the SmolLM2 recipe's other
@@ -63,13 +64,18 @@ SHAPINGS = {"zscore": "z-score", "per_prompt": "per-prompt z", "per_prompt_cente
 VARIANTS = {"": [], "antithetic": ["--strategy", "antithetic"], "sigma3e-3": ["--sigma", "3e-3"],
             "auto": ["--sigma", "auto"], **{f"step{k}x": ["--alpha", f"{k * ALPHA:.6g}"] for k in (2, 4)},
             "sampled": ["--rollout-temperature", "1.0"], "sampled0.5": ["--rollout-temperature", "0.5"],
-            "alpha_cosine": ["--alpha-schedule", "cosine"]}
+            "alpha_cosine": ["--alpha-schedule", "cosine"],
+            **{f"candidates{k}": ["--prompt-candidates", str(k)] for k in (4, 8)},
+            "extremes8": ["--prompt-candidates", "8", "--prompt-choice", "extremes"]}
 """Stage (b): what a cell changes from stage (a)'s settings (a cell's third part, shape/shaping/variant; α stays the
 matched one): mirrored pairs, a smaller σ, σ chosen by --sigma auto's ladder. step2x, step4x (after stage (c)): twice,
 four times the matched α at the recipe's σ 1e-2 (the σ that --sigma auto picks on SmolLM2's three tasks); sampled,
 sampled0.5: members sample at temperature 1 or 0.5 with common random numbers (--rollout-temperature; evaluations
 stay greedy). alpha_cosine (stage f): α decays along a cosine to a tenth of itself at the last iteration
-(--alpha-schedule cosine)."""
+(--alpha-schedule cosine). candidates4, candidates8 (stage g): the batch is the P prompts of 4P or 8P candidates
+that the unperturbed model scores lowest (--prompt-candidates; the candidates' greedy completions count in the
+budget: 8 or 16 more per iteration at P = 2); extremes8: of 8P candidates, half the lowest-scored and half the
+highest (--prompt-choice extremes)."""
 
 
 def cells(spec: str | None) -> list[tuple[str, str, str]]:
@@ -178,17 +184,17 @@ def table(results: list[dict], eval_size: int) -> str:
         if not runs:
             continue
         lines += [f"Held-out {task} accuracy (%, {eval_size} rows, greedy) by iteration (128 training completions "
-                  "each), seed " + ", ".join(sorted({str(r["seed"]) for r in runs})) + "; --step-rule sqrt_n, α = "
-                  f"{ALPHA:.4g}.", "",
+                  "each, and the candidates' of --prompt-candidates: completions is the run's total), seed "
+                  + ", ".join(sorted({str(r["seed"]) for r in runs})) + f"; --step-rule sqrt_n, α = {ALPHA:.4g}.", "",
                   "| N × P (groups) | shaping | variant | seed | σ | before | " + " | ".join(str(m) for m in marks)
-                  + " | gain | mean update ratio | training s | peak RSS MB |",
-                  "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in marks) + " | --- | --- | --- | --- |"]
+                  + " | gain | completions | mean update ratio | training s | peak RSS MB |",
+                  "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in marks) + " | --- | --- | --- | --- | --- |"]
         for r in runs:
             at = {p["iteration"]: 100 * p["accuracy"] for p in r["curve"]}
             lines.append(f"| {design(r)} | {r['seed']} | {r['sigma']:g} | {at[0]:.1f} | "
                          + " | ".join(f"{at.get(m, math.nan):.1f}" for m in marks)
-                         + f" | {at[max(at)] - at[0]:+.1f} | {r['update_ratio']:.2e} | {r['curve'][-1]['seconds']:.0f} | "
-                         f"{r['peak_rss_mb']:.0f} |")
+                         + f" | {at[max(at)] - at[0]:+.1f} | {r['curve'][-1]['completions']:,} | {r['update_ratio']:.2e} | "
+                         f"{r['curve'][-1]['seconds']:.0f} | {r['peak_rss_mb']:.0f} |")
         lines.append("")
     if len({r["seed"] for r in results}) > 1:
         lines += seed_means(results)

@@ -69,14 +69,15 @@ ALLOWED = {
     "esft.es.noise": ("esft.es.strategies.antithetic",),
     "esft.es.strategies": ("esft.es.fitness", "esft.es.shaping"),
     "esft.es.shaping": ("esft.es.fitness",),
-    "esft.settings": ("esft.es.fitness", "esft.es.groups", "esft.es.noise", "esft.es.optimizers", "esft.es.schedules",
-                      "esft.es.shaping", "esft.es.step_rules", "esft.es.strategies", "esft.engines.registry"),
+    "esft.settings": ("esft.es.batches", "esft.es.fitness", "esft.es.groups", "esft.es.noise", "esft.es.optimizers",
+                      "esft.es.schedules", "esft.es.shaping", "esft.es.step_rules", "esft.es.strategies",
+                      "esft.engines.registry"),
     "esft.rewards": ("esft.es.fitness",),
     "esft.runs": ("esft.rewards.usercode",),
 }
 """Exceptions to FORBIDDEN: a negative member seed is a mirrored one (strategies.antithetic.mirror), and the noise
 must know how to undo it; tell shapes a Fitness with the shaping registry; the settings' ES choices are
-esft.es's registries (one list of each), a schedule is what esft.es.schedules parses, a prompt-group split what
+esft.es's registries (one list of each: the prompt choices are esft.es.batches'), a schedule is what esft.es.schedules parses, a prompt-group split what
 esft.es.groups can make, and the engines' what esft.engines.registry says of each; a Scores'
 mean is fitness's mean; the file a run's code setting names is the one esft.rewards.usercode would load (found
 without importing it, for the run's signed record). All of these are pure."""

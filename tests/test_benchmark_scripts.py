@@ -332,18 +332,20 @@ def test_memory_scale_benchmark_measures_each_method_in_a_watched_child(tmp_path
 def test_es_design_benchmark_runs_its_cells_at_128_completions_each(tiny_model_dir, tmp_path):
     """benchmarks/es_design.py on a tiny model, one iteration: a shared-prompt cell and a prompt-groups cell, side by
     side on a task of the script's, each spending N·B/G = 128 completions with the √N step (four times the matched α
-    in a step4x cell), with the extras of their final models; the table has a row per cell and the extras a row per
-    run."""
+    in a step4x cell), and a cell whose batch is chosen from 16 candidates (144 completions), with the extras of
+    their final models; the table has a row per cell and the extras a row per run."""
     runs, out = tmp_path / "runs", tmp_path / "design"
     proc = _run("es_design.py", "--model", str(tiny_model_dir), "--iterations", "1", "--eval-size", "4", "--cells",
-                "8x16/zscore/sigma3e-3,64x16g8/per_prompt_centered/step4x", "--tasks", "word-problems", "--extras-seeds", "0",
-                "--runs", str(runs), "--out", str(out), timeout=900)
+                "8x16/zscore/sigma3e-3,64x16g8/per_prompt_centered/step4x,64x2/zscore/extremes8", "--tasks",
+                "word-problems", "--extras-seeds", "0", "--runs", str(runs), "--out", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.with_suffix(".json").read_text())["results"]
     assert [(r["task"], r["shape"], r["shaping"], r["variant"], r["sigma"]) for r in results] == [
-        ("word-problems", "8x16", "zscore", "sigma3e-3", 3e-3), ("word-problems", "64x16g8", "per_prompt_centered", "step4x", 0.01)]
+        ("word-problems", "8x16", "zscore", "sigma3e-3", 3e-3), ("word-problems", "64x16g8", "per_prompt_centered", "step4x", 0.01),
+        ("word-problems", "64x2", "zscore", "extremes8", 0.01)]
     for r in results:
-        assert [p["iteration"] for p in r["curve"]] == [0, 1] and r["curve"][-1]["completions"] == 128
+        screened = 16 if r["variant"] == "extremes8" else 0  # 8 candidates per prompt of the batch
+        assert [p["iteration"] for p in r["curve"]] == [0, 1] and r["curve"][-1]["completions"] == 128 + screened
         assert r["peak_rss_mb"] > 100 and r["update_ratio"] >= 0
         extras = r["extras"]
         assert set(extras["other_tasks"]) == set(extras["other_tasks_base"]) == {"times-table", "arithmetic"}
@@ -354,6 +356,9 @@ def test_es_design_benchmark_runs_its_cells_at_128_completions_each(tiny_model_d
     assert "max_tokens: 32" in config and "task: word-problems" in config and "alpha: 0.00707107" in config
     assert "| 8 × 16 | z-score | sigma3e-3 | 0 | 0.003 |" in proc.stdout and "| 64 × 16 (8 groups) | centred | step4x | 0 |" in proc.stdout
     assert "| word-problems | 8 × 16 | z-score | sigma3e-3 | 0 |" in proc.stdout  # the extras' row
+    config = (runs / "word-problems-64x2-zscore-extremes8-s0" / "config.yaml").read_text()
+    assert "prompt_candidates: 8" in config and "prompt_choice: extremes" in config
+    assert "| 64 × 2 | z-score | extremes8 | 0 | 0.01 | " in proc.stdout and " | 144 | " in proc.stdout
     refused = _run("es_design.py", "--model", str(tiny_model_dir), "--cells", "64x16g8/per_prompt,8x16/zscore/big")
     assert refused.returncode != 0 and "unknown cells ['64x16g8/per_prompt', '8x16/zscore/big']" in refused.stderr
     refused = _run("es_design.py", "--model", str(tiny_model_dir), "--tasks", "countdown")

@@ -225,10 +225,12 @@ def test_a_schedule_the_parser_refuses_is_refused_by_the_settings(spec):
 VARIANTS = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping", "per_prompt",
             "--noise", "iid_matrices"]
 GROUPED = ["--antithetic", "--sigma-schedule", "cosine", "--alpha-schedule", "linear", "--reward-shaping",
-           "per_prompt_centered", "--prompt-groups", "2", "--step-rule", "sqrt_n", "--rollout-temperature", "1.0"]
+           "per_prompt_centered", "--prompt-groups", "2", "--step-rule", "sqrt_n", "--rollout-temperature", "1.0",
+           "--prompt-candidates", "2"]
 """Issue 63's budget designs on top of the schedules: 2 prompt groups (each pair of members on its own 2 prompts),
-fitness centred within them, the √N step, rollouts sampled with common random numbers."""
-DESIGNS = {"variants": (VARIANTS, 16), "grouped": (GROUPED, 8)}
+fitness centred within them, the √N step, rollouts sampled with common random numbers, the batch the 4 of 8
+candidates the unperturbed model scores lowest."""
+DESIGNS = {"variants": (VARIANTS, 16), "grouped": (GROUPED, 16)}
 """name: (flags, training completions per iteration of 4 members × 4 prompts)."""
 
 
@@ -281,7 +283,8 @@ def test_resumed_variant_run_is_bitwise_the_uninterrupted_one_and_logs_its_sched
     assert [row["budget/completions"] for row in rows["whole"]] == [per_iteration * i for i in (1, 2, 3, 4)]
     config = (tmp_path / "cut" / "config.yaml").read_text()
     assert ("prompt_groups: 2" in config and "step_rule: sqrt_n" in config and "rollout_temperature: 1.0" in config
-            ) == (design == "grouped")
+            and "prompt_candidates: 2" in config) == (design == "grouped")
+    assert all(("selection/batch_reward" in row) == (design == "grouped") for row in rows["whole"] + rows["cut"])
 
 
 def test_constant_schedules_log_sigma_and_alpha_every_iteration(lively_model_dir, tmp_path):
@@ -313,6 +316,8 @@ def test_constant_schedules_log_sigma_and_alpha_every_iteration(lively_model_dir
     (["--step-rule", "sqrt_n", "--optimizer", "adam"], "--step-rule: sqrt_n scales the sgd step"),
     (["--step-rule", "sqrt"], "--step-rule: must be one of paper, sqrt_n"),
     (["--algorithm", "randopt", "--prompt-groups", "2"], "--prompt-groups: is a setting of the ES update"),
+    (["--prompt-choice", "extremes"], "--prompt-choice: extremes chooses the batch among --prompt-candidates'"),
+    (["--algorithm", "grpo", "--prompt-candidates", "8"], "--prompt-candidates: is an ES setting"),
     (["--sigma", "nope"], "--sigma: must be a number such as 1e-3, or auto"),
     (["--algorithm", "randopt", "--sigma", "auto"], "--sigma: auto is chosen before ES's first iteration"),
 ])
@@ -330,13 +335,13 @@ def test_cli_refuses_bad_variant_settings_in_one_line(tmp_path, flags, expected)
 @pytest.mark.slow
 @pytest.mark.parametrize("design", [{"reward_shaping": "per_prompt", "noise": "iid_matrices"},
                                     {"reward_shaping": "per_prompt_centered", "prompt_groups": 2, "step_rule": "sqrt_n",
-                                     "rollout_temperature": 1.0}],
+                                     "rollout_temperature": 1.0, "prompt_candidates": 2}],
                          ids=["variants", "grouped"])
 def test_ray_and_local_runs_with_every_variant_end_with_the_same_weights(ray_cluster, lively_model_dir, tmp_path,
                                                                          design):
     """Every variant on Ray (2 actors) ends with the local run's weights, also with prompt groups (a group's rows
-    travel with its members) and sampled rollouts (the sampling goes with them) (slow: Ray actors start and load the
-    model)."""
+    travel with its members), sampled rollouts (the sampling goes with them) and a batch chosen from candidates
+    (an actor answers them; the chosen rows travel with the members) (slow: Ray actors start and load the model)."""
     from esft.trainer import ESTrainer
 
     finals = {}

@@ -16,7 +16,7 @@ from esft.es import schedules
 from esft.es.optimizers import coefficient_alpha
 from esft.es.step_rules import alpha_for_strategy, default_alpha
 from esft.es.strategies import STRATEGIES, ESState
-from esft.es.batches import prompt_batch, rollout_seed
+from esft.es.batches import PROMPT_CHOICES, PromptBatch, prompt_batch, rollout_seed
 from esft.es.groups import prompt_groups, prompts_of_members
 from esft.runs.checkpoint import load_master, prune_checkpoints, save_checkpoint
 from esft.settings.config import ESConfig, es_config, model_path, settings_for
@@ -41,7 +41,7 @@ from esft.runs.metrics import MetricsLogger, check_backend
 from esft.runs.report import report_after_training
 from esft.runs.report_data import write_status
 from esft.rewards.conventions import RewardTrainerState
-from esft.rewards.runner import RewardError, Scores, reward_runners
+from esft.rewards.runner import RewardError, Scores, mean_of, reward_runners
 from esft.runs.directory import RunDir, find_resume_point, open_run
 from esft.tasks.base import RewardFunc, Task, TaskError
 from esft.tasks.building import TaskSettings, build_task
@@ -49,6 +49,16 @@ from esft.tasks.loading import check_prompts, format_prompts, render_rows
 from esft.tasks.selection import overlap_line
 
 CLOSED = "this ESTrainer was closed (close() released its engine): build a new ESTrainer"
+
+
+@dataclasses.dataclass(frozen=True)
+class Screen:
+    """What choosing an iteration's batch from --prompt-candidates' candidates generated (counted in the budget)
+    and logs; the default, nothing, where the batch is the next rows."""
+
+    completions: int = 0
+    tokens: int = 0
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class ESTrainer:
@@ -283,7 +293,7 @@ class ESTrainer:
             sigma, alpha = schedules.step_sizes(args, self.state.iteration)  # σ_t, α_t: --sigma/--alpha-schedule
             seeds = self.strategy.ask(self.state, args.population_size)
             self._tell_rewards()
-            members, prompts = self._evaluate_members(seeds, sigma)  # --prompt-groups: each group on its own prompts
+            members, prompts, screen = self._evaluate_members(seeds, sigma)  # --prompt-groups, --prompt-candidates
             batches = [member.scores for member in members]
             self._stop_if_unscorable(batches)
             fitness = fitness_of(batches, args.failed_samples, prompts)  # members × samples; --failed-samples
@@ -296,7 +306,8 @@ class ESTrainer:
             state, coefficients = self.strategy.tell(self.state, fitness, step, args.reward_shaping)
             self._update(seeds, coefficients, alpha)
             self.state = state
-            row = self._iteration_metrics(members, prompts, rewards, time.perf_counter() - started, coefficients, sigma)
+            row = self._iteration_metrics(members, prompts, rewards, time.perf_counter() - started, coefficients, sigma,
+                                          screen)
             last, _ = self._end_iteration(row | {"es/sigma": sigma, "es/alpha": alpha})
         return self._end(last, start)
 
@@ -380,18 +391,30 @@ class ESTrainer:
                 self.save_model(self.run_dir / "final-merged", merged=True)
         return (last or self.initial_metrics) | failure_summary(self.failure_totals) | learning
 
-    def _batch(self, iteration: int):
-        return prompt_batch(self.task.train_dataset, self.args.seed, self.args.batch_size, iteration)
+    def _batch(self, iteration: int) -> tuple[PromptBatch, Screen]:
+        """The iteration's prompt batch (esft.es.batches). With --prompt-candidates K > 1: B of the next K·B rows,
+        chosen by --prompt-choice from the rewards of the unperturbed model's greedy answers to them, and the screen."""
+        args = self.args
+        if args.prompt_candidates == 1:
+            return prompt_batch(self.task.train_dataset, args.seed, args.batch_size, iteration), Screen()
+        candidates = prompt_batch(self.task.train_dataset, args.seed, args.batch_size * args.prompt_candidates, iteration)
+        answers = self.executor.generate(candidates.prompts, args.eval_batch_size)
+        rewards = self.rewards.score(candidates.rows, answers.texts, answers.token_ids).total
+        chosen = PROMPT_CHOICES[args.prompt_choice](rewards, args.batch_size)
+        means = {"selection/candidate_reward": mean_of(rewards), "selection/batch_reward": mean_of([rewards[i] for i in chosen])}
+        metrics = {key: value for key, value in means.items() if value is not None}  # None: nothing was scored
+        return candidates.pick(chosen), Screen(len(answers.texts), sum(answers.num_tokens), metrics)
 
-    def _evaluate_members(self, seeds: Sequence[int], sigma: float) -> tuple[list, np.ndarray]:
+    def _evaluate_members(self, seeds: Sequence[int], sigma: float) -> tuple[list, np.ndarray, Screen]:
         """Every member scored on its group's slice of the iteration's batch (esft.es.groups; one group: all on
-        all), group after group, and the batch index of the prompt each member's samples answered."""
+        all), group after group, the batch index of the prompt each member's samples answered, and what choosing
+        the batch took (_batch)."""
         groups = prompt_groups(len(seeds), self.args.batch_size, self.args.prompt_groups)
-        batch = self._batch(self.state.iteration)
+        batch, screen = self._batch(self.state.iteration)
         sampling = self._rollout_sampling(self.state.iteration)
         members = [member for group in groups for member in self.executor.evaluate_population(
             [seeds[i] for i in group.members], batch.part(group.prompts), sigma, sampling)]
-        return members, prompts_of_members(groups)
+        return members, prompts_of_members(groups), screen
 
     def _rollout_sampling(self, iteration: int) -> Sampling | None:
         """--rollout-temperature > 0: members' completions sampled with common random numbers (Sampling.common_noise),
@@ -449,11 +472,13 @@ class ESTrainer:
             self.run.close()
 
     def _iteration_metrics(self, members, prompts: np.ndarray, rewards: Sequence[float], elapsed: float, coefficients,
-                           sigma: float) -> dict[str, float]:
-        """The ES row: rewards, budget, and whether the update could move the weights (esft.loop.learning_signal)."""
+                           sigma: float, screen: Screen) -> dict[str, float]:
+        """The ES row: rewards, budget (with --prompt-candidates' screen), the screen's rewards, and whether the
+        update could move the weights (esft.loop.learning_signal)."""
         row, self._budget = iteration_row(self.state.iteration, rewards, [m.scores for m in members],
-                                          sum(m.num_tokens for m in members), elapsed, self._budget)
-        return row | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],
+                                          sum(m.num_tokens for m in members), elapsed, self._budget,
+                                          (screen.completions, screen.tokens))
+        return row | screen.metrics | self._watch.observe(self.state.iteration, rewards, coefficients, [m.fingerprints for m in members],
                                          sigma, self.strategy.mirrored, self.executor.update_ratio(),
                                          self.executor.update_survival(), prompts)
 

@@ -12,14 +12,15 @@ from esft.rewards.runner import Scores, mean_of
 
 
 def iteration_row(iteration: int, rewards: Sequence[float], batches: Sequence[Scores], tokens: int, elapsed: float,
-                  budget: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+                  budget: dict[str, float], screened: tuple[int, int] = (0, 0)) -> tuple[dict[str, float], dict[str, float]]:
     """One iteration's metrics.jsonl row and the budget spent after it. `rewards`: what the update
     used (ES: one per member; GRPO: one per completion); `batches`: the iteration's Scores (ES: one
-    per member; GRPO: the generation batch); `tokens`: generated for training."""
+    per member; GRPO: the generation batch); `tokens`: generated for them; `screened`: the completions and
+    tokens generated to choose the batch (ES's --prompt-candidates), counted in the budget only."""
     values = np.array(rewards, dtype=float)
     completions = sum(len(scores.total) for scores in batches)
-    budget = {"completions": budget["completions"] + completions, "tokens": budget["tokens"] + tokens,
-              "seconds": budget["seconds"] + elapsed}
+    budget = {"completions": budget["completions"] + completions + screened[0],
+              "tokens": budget["tokens"] + tokens + screened[1], "seconds": budget["seconds"] + elapsed}
     row = {
         "iteration": iteration,
         "reward/mean": float(values.mean()),

@@ -67,9 +67,10 @@ METRICS: tuple[Metric, ...] = (
     Metric("perf/tokens_per_s", "Training tokens generated per second of the iteration (the progress bar's "
            "`tok_s`).", "the iteration", TRAINING),
     Metric("budget/completions", "Completions generated for training since the run began (--budget-completions "
-           "stops at it; evaluations are not counted).", "cumulative over the run, resumes included", TRAINING),
-    Metric("budget/tokens", "Tokens generated for training since the run began (--budget-tokens stops at it).",
+           "stops at it; evaluations are not counted, --prompt-candidates' greedy answers to the candidates are).",
            "cumulative over the run, resumes included", TRAINING),
+    Metric("budget/tokens", "Tokens generated for training since the run began (--budget-tokens stops at it; "
+           "--prompt-candidates' included).", "cumulative over the run, resumes included", TRAINING),
     Metric("budget/seconds", "Training wall-clock seconds since the run began (evaluations excluded).",
            "cumulative over the run, resumes included", TRAINING),
     Metric("es/sigma", "σ of this iteration's perturbations (after --sigma-schedule).", "-", ES_ROWS),
@@ -88,6 +89,11 @@ METRICS: tuple[Metric, ...] = (
            "without a master (--master-weights none), ⟨Δθ written, Δθ⟩/‖Δθ‖²: 1 on average under stochastic "
            "rounding; near 0 would mean steps far below the weights' precision.", "all trainable tensors",
            ES_ROWS + ", the transformers engine without a master, low-precision weights"),
+    Metric("selection/candidate_reward", "Mean reward of the unperturbed model's greedy answers to the iteration's "
+           "K·B candidate prompts (--prompt-candidates K > 1).", "the candidates", ES_ROWS + " with --prompt-candidates"),
+    Metric("selection/batch_reward", "The same mean over the B candidates --prompt-choice made the batch: below "
+           "selection/candidate_reward when it picks the prompts the model misses.", "the batch's prompts",
+           ES_ROWS + " with --prompt-candidates"),
     Metric("es/pairs_differ", "Fraction of ±σ pairs whose two rewards differ (a pair that ties adds nothing to "
            "the update).", "the N/2 pairs", ES_ROWS + " with --strategy antithetic"),
     # ---- training: GRPO (TRL's values for the step, as TRL logs them)

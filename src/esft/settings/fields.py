@@ -195,6 +195,19 @@ class Fields:
         "with --reward-shaping per_prompt_centered (per_prompt needs every member on the same prompts); N and B "
         "must be multiples of G (N/G even for a mirrored strategy). Groups are evaluated one after another.",
         algorithms=ES_UPDATE, default=1)
+    prompt_candidates: int = _in(
+        "ES", "K: each iteration the unperturbed model answers K·B candidate prompts greedily (the next K·B rows of "
+        "the shuffled train set) and --prompt-choice picks the batch's B by its rewards on them: prompts it already "
+        "answers right teach little once it answers most. The K·B completions count in budget/completions and "
+        "budget/tokens; metrics.jsonl's selection/candidate_reward and selection/batch_reward are the mean rewards "
+        "of the candidates and of the batch. 1: the next B rows, unscreened (the paper).",
+        algorithms=ES_UPDATE, default=1)
+    prompt_choice: str = _in(
+        "ES", "With --prompt-candidates K > 1, which B candidates are the batch (esft.es.batches.PROMPT_CHOICES): "
+        "lowest, the B the model scores lowest; extremes, half of them (rounded up) the lowest and the rest the "
+        "highest, so a batch always holds prompts it answers right, on which members that break the answer lose "
+        "(where it misses most prompts, a batch of only missed ones often ties every member).",
+        algorithms=ES_UPDATE, default="lowest")
     reward_shaping: str = _in(
         "ES",
         "Fitness shaping of member rewards (reward is maximized): "

@@ -12,6 +12,7 @@ from typing import Any
 
 from esft.engines.registry import ENGINES, MASTER_WEIGHTS
 from esft.es.fitness import FAILED_SAMPLES
+from esft.es.batches import PROMPT_CHOICES
 from esft.es.groups import groups_problem
 from esft.es import schedules
 from esft.es.noise import NOISE_SCHEMES
@@ -29,6 +30,7 @@ CHOICES = {  # the ES and engine choices are their registries themselves (a regi
     "optimizer": OPTIMIZERS,
     "step_rule": STEP_RULES,
     "reward_shaping": REWARD_SHAPING,
+    "prompt_choice": PROMPT_CHOICES,
     "strategy": STRATEGIES,
     "failed_samples": FAILED_SAMPLES,
     "prompt_format": ("auto", "raw", "chat"),
@@ -112,7 +114,8 @@ def check(config) -> None:
             raise ConfigError(name, f"must be > 0, got {getattr(config, name)}; use {hint}")
     if config.rollout_temperature is not None and not config.rollout_temperature >= 0:
         raise ConfigError("rollout_temperature", f"must be >= 0 (0: greedy rollouts), got {config.rollout_temperature}")
-    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "prompt_groups": 1, "max_tokens": 1, "eval_batch_size": 1,
+    minimum = {"seed": 0, "population_size": 2, "batch_size": 1, "prompt_groups": 1, "prompt_candidates": 1,
+               "max_tokens": 1, "eval_batch_size": 1,
                "train_size": 1, "eval_size": 1, "iterations": 0, "eval_every": 0, "save_every": 0, "eval_samples": 1,
                "reward_workers": 1, "reward_memory_mb": 0, "rank": 1, "tensor_parallel_size": 1, "workers": 1,
                "ray_cpus_per_worker": 0, "ray_gpus_per_worker": 0}
@@ -411,6 +414,10 @@ def _check_variants(config) -> None:
     if config.step_rule != "paper" and config.optimizer in LEARNING_RATE_IN_STEP:
         raise ConfigError("step_rule", f"{config.step_rule} scales the sgd step; --optimizer {config.optimizer} "
                           "normalizes its step, so the rule would change nothing: drop --step-rule or use --optimizer sgd")
+    if config.prompt_choice != DEFAULTS["prompt_choice"] and config.prompt_candidates == 1:
+        raise ConfigError("prompt_choice", f"{config.prompt_choice} chooses the batch among --prompt-candidates' "
+                          "candidates, and there are none to choose from at --prompt-candidates 1: give "
+                          "--prompt-candidates 8, say, or drop --prompt-choice")
     if config.prompt_groups > 1:
         if problem := groups_problem(config.population_size, config.batch_size, config.prompt_groups, strategy.mirrored):
             raise ConfigError("prompt_groups", problem)
