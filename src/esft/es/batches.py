@@ -53,8 +53,7 @@ def lowest_scored(rewards: Sequence[float | None], size: int) -> list[int]:
     Why: once the model answers most prompts right, a batch of two prompts is often two it already answers, where
     the members' rewards differ only by the answers their perturbations break; prompts it misses are where a
     member's perturbation can find the right answer (DAPO's dynamic sampling, done on the one unperturbed model)."""
-    order = sorted(range(len(rewards)), key=lambda i: (rewards[i] is None, rewards[i] or 0.0, i))
-    return sorted(order[:size])
+    return sorted(_ranked(range(len(rewards)), rewards, highest_first=False)[:size])
 
 
 def extremes(rewards: Sequence[float | None], size: int) -> list[int]:
@@ -65,9 +64,14 @@ def extremes(rewards: Sequence[float | None], size: int) -> list[int]:
     misses, and a batch of only those often ties every member (no update); on a prompt it answers right the
     members that break the answer score lower, so a batch holding one always carries a signal."""
     low = lowest_scored(rewards, -(-size // 2))
-    rest = sorted((i for i in range(len(rewards)) if i not in low),
-                  key=lambda i: (rewards[i] is None, -(rewards[i] or 0.0), i))
+    rest = _ranked([i for i in range(len(rewards)) if i not in low], rewards, highest_first=True)
     return sorted(low + rest[: size - len(low)])
+
+
+def _ranked(indices: Sequence[int], rewards: Sequence[float | None], highest_first: bool) -> list[int]:
+    """`indices` ordered by reward (ties to the earlier candidate), unscored ones (None) last either way."""
+    sign = -1.0 if highest_first else 1.0
+    return sorted(indices, key=lambda i: (rewards[i] is None, sign * (rewards[i] or 0.0), i))
 
 
 PROMPT_CHOICES = {"lowest": lowest_scored, "extremes": extremes}
