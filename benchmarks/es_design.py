@@ -2,8 +2,8 @@
 share an iteration's 128 completions and how their fitness is shaped; stage (b), mirrored pairs and σ (3e-3, or
 chosen by --sigma auto) for the designs stage (a) put first; stage (c), the best designs on several seeds
 (--seeds) and tasks (--tasks: times-table, arithmetic, word-problems); stage (d), GRPO and the default side by side
-(--against-grpo); stage (e), a larger step (variants step2x, step4x), sampled rollouts (sampled) and more prompts per iteration
-on arithmetic; stage (f), a step that decays over the run (alpha_cosine), at --iterations 40 and 12; stage (g),
+(--against-grpo, on each of --tasks); stage (e), a larger step (variants step2x, step4x), sampled rollouts
+(sampled) and more prompts per iteration on arithmetic; stage (f), a step that decays over the run (alpha_cosine), at --iterations 40 and 12; stage (g),
 batches of the prompts the model misses (candidates4, candidates8) or of both ends (extremes8).
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
@@ -248,28 +248,29 @@ GRPO_LEARNING_RATE = 1e-5
 """The learning rate real_model.py's sweep found best for GRPO on SmolLM2 times-table (90.5% at 1,024 completions)."""
 
 
-def against_grpo(options, seed: int) -> dict:
+def against_grpo(options, task: str, seed: int) -> dict:
     """Stage (d): GRPO (TRL's, lr 1e-5, --grpo-steps steps of 8 completions) and the default design (64 × 2, z-scored, √N step,
-    σ by --sigma auto; --grpo-es-iterations iterations) on times-table, started together, one thread each, so both
+    σ by --sigma auto; --grpo-es-iterations iterations) on `task`, started together, one thread each, so both
     see the same load; each evaluated every 1/8 of its run. Returns both curves (accuracy over training seconds)."""
-    common = ["--model", options.model, "--task", "times-table", *TASKS["times-table"], "--eval-size",
+    named = "" if task == "times-table" else f"{task}-"  # times-table's run names as stage (d) first wrote them
+    common = ["--model", options.model, "--task", task, *TASKS[task], "--eval-size",
               str(options.eval_size), "--seed", str(seed), "--save-every", "0", "--logging", "none", "--no-progress",
               "--output-dir", str(options.runs)]
     grpo = ["esft", "train", "--algorithm", "grpo", "--learning-rate", f"{GRPO_LEARNING_RATE:g}",
             "--no-gradient-checkpointing", "--iterations", str(options.grpo_steps), "--eval-every",
             str(max(1, options.grpo_steps // 8)), *common,
-            "--run-name", f"grpo-lr{GRPO_LEARNING_RATE:g}-s{seed}"]
+            "--run-name", f"{named}grpo-lr{GRPO_LEARNING_RATE:g}-s{seed}"]
     iterations = options.grpo_es_iterations
-    es = [*command(options, "times-table", "64x2", "zscore", "", seed), "--sigma", options.grpo_es_sigma]
+    es = [*command(options, task, "64x2", "zscore", "", seed), "--sigma", options.grpo_es_sigma]
     es[es.index("--iterations") + 1] = str(iterations)
     es[es.index("--eval-every") + 1] = str(max(1, iterations // 8))
-    es[es.index("--run-name") + 1] = f"default-i{iterations}-s{seed}"
+    es[es.index("--run-name") + 1] = f"{named}default-i{iterations}-s{seed}"
     with ThreadPoolExecutor(max_workers=2) as pool:  # side by side: the same load on both
         done = {name: pool.submit(run, argv, options.runs / argv[argv.index("--run-name") + 1])
                 for name, argv in (("grpo", grpo), ("es", es))}
         records = {name: future.result() for name, future in done.items()}
     dirs = {name: options.runs / argv[argv.index("--run-name") + 1] for name, argv in (("grpo", grpo), ("es", es))}
-    return {"seed": seed, **{name: {**records[name], "curve": curve(run_dir), "wrong_answers": wrong_answers(run_dir)}
+    return {"task": task, "seed": seed, **{name: {**records[name], "curve": curve(run_dir), "wrong_answers": wrong_answers(run_dir)}
                              for name, run_dir in dirs.items()}}
 
 
@@ -293,10 +294,10 @@ def at_seconds(points: list[dict], seconds: float) -> dict:
 
 
 def against_grpo_table(pairs: list[dict]) -> str:
-    lines = ["Held-out times-table accuracy (%, greedy) over training seconds, GRPO and ES side by side (one thread each, "
+    lines = ["Held-out accuracy (%, greedy) over training seconds, GRPO and ES side by side (one thread each, "
              "started together):", "",
-             "| seed | GRPO: accuracy at its end (completions, training s) | ES at GRPO's training s (completions, s) | "
-             "ES at 3× GRPO's training s (completions, s) | ES at its end (completions, s) |", "| --- " * 5 + "|"]
+             "| task | seed | GRPO: accuracy at its end (completions, training s) | ES at GRPO's training s (completions, s) | "
+             "ES at 3× GRPO's training s (completions, s) | ES at its end (completions, s) |", "| --- " * 6 + "|"]
     for pair in pairs:
         grpo, es = pair["grpo"]["curve"], pair["es"]["curve"]
         end = grpo[-1]
@@ -306,19 +307,19 @@ def against_grpo_table(pairs: list[dict]) -> str:
 
         tripled = (cell(at_seconds(es, 3 * end["seconds"])) if es[-1]["seconds"] >= 0.95 * 3 * end["seconds"]
                    else f"— (ES ended at {es[-1]['seconds']:.0f} s)")  # not run that long: no number to give
-        lines.append(f"| {pair['seed']} | {cell(end)} | {cell(at_seconds(es, end['seconds']))} | {tripled} | "
+        lines.append(f"| {pair.get('task', 'times-table')} | {pair['seed']} | {cell(end)} | {cell(at_seconds(es, end['seconds']))} | {tripled} | "
                      f"{cell(es[-1])} |")
     lines += ["", "Curves (accuracy % at training seconds):", ""]
     for pair in pairs:
         for name in ("grpo", "es"):
-            lines.append(f"- seed {pair['seed']}, {name}: " + ", ".join(
+            lines.append(f"- {pair.get('task', 'times-table')}, seed {pair['seed']}, {name}: " + ", ".join(
                 f"{100 * p['accuracy']:.1f} @ {p['seconds']:.0f} s" for p in pair[name]["curve"]))
     lines += ["", "Wrong held-out answers, before and at the end (of them cut short by the token limit; the rest "
               "ended on their own):", ""]
     for pair in pairs:
         for name in ("grpo", "es"):
             if "wrong_answers" in pair[name]:  # recorded since stage (e)
-                lines.append(f"- seed {pair['seed']}, {name}: " + ", ".join(
+                lines.append(f"- {pair.get('task', 'times-table')}, seed {pair['seed']}, {name}: " + ", ".join(
                     f"{w['wrong']} at iteration {w['iteration']} ({w['cut_short']} cut short)"
                     for w in pair[name]["wrong_answers"].values()))
     return "\n".join(lines) + "\n"
@@ -336,7 +337,7 @@ def main() -> None:
     parser.add_argument("--extras-seeds", default="", help="comma-separated seeds whose runs also get extras(): "
                         "correct given the format, pass@k at temperature 1, KL to the base, accuracy on the other tasks")
     parser.add_argument("--against-grpo", action="store_true", help="stage (d): GRPO and the default design side by "
-                        "side on times-table, per seed (writes <runs>/against_grpo.md)")
+                        "side on each of --tasks, per seed (writes <runs>/against_grpo.md)")
     parser.add_argument("--grpo-steps", type=int, default=128, help="with --against-grpo: GRPO's steps (8 completions "
                         "each: 1,024 completions, where it reached 90.5%% on times-table)")
     parser.add_argument("--grpo-es-sigma", default="auto", help="with --against-grpo: the default design's σ (auto, "
@@ -351,18 +352,18 @@ def main() -> None:
     options.extras_seeds = {int(seed) for seed in options.extras_seeds.split(",") if seed}
     command_line = "python benchmarks/es_design.py " + " ".join(sys.argv[1:])
     options.runs.mkdir(parents=True, exist_ok=True)
-    if options.against_grpo:  # stage (d), seed after seed
-        pairs = []
-        for seed in [int(seed) for seed in options.seeds.split(",")]:
-            pairs.append(against_grpo(options, seed))
-            options.out.with_suffix(".json").write_text(json.dumps({"command": command_line, "pairs": pairs}, indent=1))
-            (options.runs / "against_grpo.md").write_text(f"Command: `{command_line}`\n\n" + against_grpo_table(pairs))
-        print((options.runs / "against_grpo.md").read_text(), flush=True)
-        return
     tasks = options.tasks.split(",")
     if unknown := [task for task in tasks if task not in TASKS]:
         sys.exit(f"unknown tasks {unknown}; of {', '.join(TASKS)}")
     seeds = [int(seed) for seed in options.seeds.split(",")]
+    if options.against_grpo:  # stage (d), seed after seed
+        pairs = []
+        for task, seed in [(task, seed) for seed in seeds for task in tasks]:
+            pairs.append(against_grpo(options, task, seed))
+            options.out.with_suffix(".json").write_text(json.dumps({"command": command_line, "pairs": pairs}, indent=1))
+            (options.runs / "against_grpo.md").write_text(f"Command: `{command_line}`\n\n" + against_grpo_table(pairs))
+        print((options.runs / "against_grpo.md").read_text(), flush=True)
+        return
     if options.order == "seed":  # seed by seed, task by task: a run stopped early has every cell's first seeds
         todo = [(task, *cell, seed) for seed in seeds for task in tasks for cell in cells(options.cells)]
     else:  # cell by cell: the first cell's seeds on every task, then the next cell's
