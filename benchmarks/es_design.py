@@ -3,8 +3,9 @@ share an iteration's 128 completions and how their fitness is shaped; stage (b),
 chosen by --sigma auto) for the designs stage (a) put first; stage (c), the best designs on several seeds
 (--seeds) and tasks (--tasks: times-table, arithmetic, word-problems); stage (d), GRPO and the default side by side
 (--against-grpo, on each of --tasks); stage (e), a larger step (variants step2x, step4x), sampled rollouts
-(sampled) and more prompts per iteration on arithmetic; stage (f), a step that decays over the run (alpha_cosine), at --iterations 40 and 12; stage (g),
-batches of the prompts the model misses (candidates4, candidates8) or of both ends (extremes8).
+(sampled) and more prompts per iteration on arithmetic; stage (f), a step that decays over the run (alpha_cosine),
+at --iterations 40 and 12; stage (g), batches of the prompts the model misses (candidates4, candidates8) or of
+both ends (extremes8).
 
 Every cell is an ordinary `esft train` command run as a subprocess (es_vs_grpo.run: OMP_NUM_THREADS=1, its own
 peak RSS from wait4, a finished run is not run again), --parallel at a time. All share the SmolLM2 recipe's other
@@ -270,8 +271,9 @@ def against_grpo(options, task: str, seed: int) -> dict:
                 for name, argv in (("grpo", grpo), ("es", es))}
         records = {name: future.result() for name, future in done.items()}
     dirs = {name: options.runs / argv[argv.index("--run-name") + 1] for name, argv in (("grpo", grpo), ("es", es))}
-    return {"task": task, "seed": seed, **{name: {**records[name], "curve": curve(run_dir), "wrong_answers": wrong_answers(run_dir)}
-                             for name, run_dir in dirs.items()}}
+    return {"task": task, "seed": seed,
+            **{name: {**records[name], "curve": curve(run_dir), "wrong_answers": wrong_answers(run_dir)}
+               for name, run_dir in dirs.items()}}
 
 
 def wrong_answers(run_dir: Path) -> dict:
@@ -296,8 +298,9 @@ def at_seconds(points: list[dict], seconds: float) -> dict:
 def against_grpo_table(pairs: list[dict]) -> str:
     lines = ["Held-out accuracy (%, greedy) over training seconds, GRPO and ES side by side (one thread each, "
              "started together):", "",
-             "| task | seed | GRPO: accuracy at its end (completions, training s) | ES at GRPO's training s (completions, s) | "
-             "ES at 3× GRPO's training s (completions, s) | ES at its end (completions, s) |", "| --- " * 6 + "|"]
+             "| task | seed | GRPO: accuracy at its end (completions, training s) | "
+             "ES at GRPO's training s (completions, s) | ES at 3× GRPO's training s (completions, s) | "
+             "ES at its end (completions, s) |", "| --- " * 6 + "|"]
     for pair in pairs:
         grpo, es = pair["grpo"]["curve"], pair["es"]["curve"]
         end = grpo[-1]
@@ -307,19 +310,19 @@ def against_grpo_table(pairs: list[dict]) -> str:
 
         tripled = (cell(at_seconds(es, 3 * end["seconds"])) if es[-1]["seconds"] >= 0.95 * 3 * end["seconds"]
                    else f"— (ES ended at {es[-1]['seconds']:.0f} s)")  # not run that long: no number to give
-        lines.append(f"| {pair.get('task', 'times-table')} | {pair['seed']} | {cell(end)} | {cell(at_seconds(es, end['seconds']))} | {tripled} | "
-                     f"{cell(es[-1])} |")
+        lines.append(f"| {pair['task']} | {pair['seed']} | {cell(end)} | {cell(at_seconds(es, end['seconds']))} | "
+                     f"{tripled} | {cell(es[-1])} |")
     lines += ["", "Curves (accuracy % at training seconds):", ""]
     for pair in pairs:
         for name in ("grpo", "es"):
-            lines.append(f"- {pair.get('task', 'times-table')}, seed {pair['seed']}, {name}: " + ", ".join(
+            lines.append(f"- {pair['task']}, seed {pair['seed']}, {name}: " + ", ".join(
                 f"{100 * p['accuracy']:.1f} @ {p['seconds']:.0f} s" for p in pair[name]["curve"]))
     lines += ["", "Wrong held-out answers, before and at the end (of them cut short by the token limit; the rest "
               "ended on their own):", ""]
     for pair in pairs:
         for name in ("grpo", "es"):
             if "wrong_answers" in pair[name]:  # recorded since stage (e)
-                lines.append(f"- {pair.get('task', 'times-table')}, seed {pair['seed']}, {name}: " + ", ".join(
+                lines.append(f"- {pair['task']}, seed {pair['seed']}, {name}: " + ", ".join(
                     f"{w['wrong']} at iteration {w['iteration']} ({w['cut_short']} cut short)"
                     for w in pair[name]["wrong_answers"].values()))
     return "\n".join(lines) + "\n"

@@ -371,8 +371,8 @@ def test_es_design_against_grpo_runs_both_side_by_side_and_reads_es_at_grpos_sec
     pytest.importorskip("trl", reason="the grpo extra (the README's test command has it)")
     runs, out = tmp_path / "runs", tmp_path / "d"
     proc = _run("es_design.py", "--model", str(tiny_model_dir), "--against-grpo", "--grpo-steps", "2",
-                "--grpo-es-iterations", "2", "--grpo-es-sigma", "0.05", "--eval-size", "4", "--tasks", "arithmetic", "--runs", str(runs), "--out",
-                str(out), timeout=900)
+                "--grpo-es-iterations", "2", "--grpo-es-sigma", "0.05", "--eval-size", "4", "--tasks", "arithmetic",
+                "--runs", str(runs), "--out", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (pair,) = json.loads(out.with_suffix(".json").read_text())["pairs"]
     assert pair["task"] == "arithmetic"
@@ -380,7 +380,8 @@ def test_es_design_against_grpo_runs_both_side_by_side_and_reads_es_at_grpos_sec
     assert [p["completions"] for p in pair["es"]["curve"]] == [0, 128, 256]
     config = (runs / "arithmetic-default-i2-s0" / "config.yaml").read_text()
     assert "task: arithmetic" in (runs / "arithmetic-grpo-lr1e-05-s0" / "config.yaml").read_text()
-    assert "task: arithmetic" in config and "population_size: 64" in config and "batch_size: 2" in config and "step_rule: sqrt_n" in config
+    assert "task: arithmetic" in config and "population_size: 64" in config and "batch_size: 2" in config
+    assert "step_rule: sqrt_n" in config
     assert "sigma: 0.05" in config
     assert "| arithmetic | 0 | " in proc.stdout and "- arithmetic, seed 0, grpo: " in proc.stdout
     for name in ("grpo", "es"):  # wrong answers counted from the run's own evaluation files (both ran 2 iterations)
@@ -388,5 +389,7 @@ def test_es_design_against_grpo_runs_both_side_by_side_and_reads_es_at_grpos_sec
         assert [wrong["first"]["iteration"], wrong["last"]["iteration"]] == [0, 2]
         for when in ("first", "last"):
             assert 0 <= wrong[when]["cut_short"] <= wrong[when]["wrong"] <= 4
-        assert f"- arithmetic, seed 0, {name}: {wrong['first']['wrong']} at iteration 0 ({wrong['first']['cut_short']} cut short)" in proc.stdout
+        first = wrong["first"]
+        said = f"- arithmetic, seed 0, {name}: {first['wrong']} at iteration 0 ({first['cut_short']} cut short)"
+        assert said in proc.stdout
 
